@@ -1,0 +1,556 @@
+//! The byte layout of frames: a 12-byte header then a body, plus fragmentation
+//! of frames larger than a link's maximum frame size.
+//!
+//! ```text
+//! offset size field
+//! 0      2    magic "wf" (0x77 0x66)
+//! 2      1    version (1)
+//! 3      1    kind (FrameKind)
+//! 4      4    body length, u32 little-endian
+//! 8      4    CRC32C of header bytes 0..8 followed by the body, u32 LE
+//! 12     ..   body: postcard-encoded head, then (for Request, Response,
+//!             Message, Fragment) the raw payload bytes up to the end
+//! ```
+//!
+//! Owns encoding and decoding. The decoder returns a typed [`DecodeError`] for
+//! every malformed input and must never panic, whatever the bytes.
+
+use std::collections::HashMap;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::frame::*;
+use crate::ids::{NodeId, ServiceName};
+use crate::payload::{encode_postcard, EncodeError, Payload};
+use crate::status::Status;
+use crate::txctx::{TxContext, TxReturn};
+
+/// The two magic bytes that start every frame.
+pub const MAGIC: [u8; 2] = *b"wf";
+/// The wire format version this crate speaks.
+pub const VERSION: u8 = 1;
+/// Size of the fixed frame header.
+pub const HEADER_LEN: usize = 12;
+/// Room reserved in every fragment frame for its header and head.
+pub const FRAGMENT_OVERHEAD: usize = HEADER_LEN + 32;
+/// Smallest maximum frame size a link may announce.
+pub const MIN_MAX_FRAME: usize = 1024;
+
+/// Size limits enforced by the decoder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest frame accepted, header included.
+    pub max_frame: usize,
+    /// Largest frame accepted after reassembly of fragments.
+    pub max_message: usize,
+    /// Most fragmented messages being reassembled at once on one link.
+    pub max_partial_messages: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_frame: 1 << 20,
+            max_message: 64 << 20,
+            max_partial_messages: 16,
+        }
+    }
+}
+
+/// Why bytes could not be decoded into a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The first two bytes are not "wf".
+    #[error("bad magic {0:02x?}: not a weft frame")]
+    BadMagic([u8; 2]),
+    /// The version byte is not one this node speaks.
+    #[error("unknown wire version {0} (this node speaks {VERSION})")]
+    UnknownVersion(u8),
+    /// The kind byte is not a known frame kind.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// The frame is larger than the configured maximum.
+    #[error("frame of {len} bytes exceeds the maximum of {max}")]
+    TooLarge {
+        /// Frame size (header included) or reassembled size.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The checksum does not match the bytes.
+    #[error("checksum mismatch: header says {expected:08x}, bytes give {actual:08x}")]
+    Checksum {
+        /// Checksum in the header.
+        expected: u32,
+        /// Checksum of the received bytes.
+        actual: u32,
+    },
+    /// The input ends before the frame does (only from [`decode_exact`]).
+    #[error("truncated: frame needs {needed} bytes, got {have}")]
+    Truncated {
+        /// Bytes the header announces.
+        needed: usize,
+        /// Bytes available.
+        have: usize,
+    },
+    /// Bytes follow a complete frame (only from [`decode_exact`]) or a body
+    /// that should have ended.
+    #[error("{kind:?}: {extra} unexpected trailing bytes")]
+    Trailing {
+        /// The frame kind.
+        kind: FrameKind,
+        /// How many bytes were left over.
+        extra: usize,
+    },
+    /// The body does not decode as the kind's head.
+    #[error("{kind:?} body: {reason}")]
+    Body {
+        /// The frame kind.
+        kind: FrameKind,
+        /// The decoder's complaint.
+        reason: String,
+    },
+    /// A fragment is inconsistent (index out of range, out of order, too many
+    /// partial messages, a fragment inside a fragment).
+    #[error("fragment: {0}")]
+    Fragment(String),
+}
+
+impl DecodeError {
+    /// The status a peer gets for sending these bytes.
+    pub fn status(&self) -> Status {
+        match self {
+            DecodeError::TooLarge { .. } => Status::TooLarge,
+            _ => Status::ProtocolError,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct RequestHead {
+    call_id: u64,
+    service: ServiceName,
+    instance: u32,
+    node: NodeId,
+    budget_us: Option<u64>,
+    tx: Option<TxContext>,
+    flags: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ResponseHead {
+    call_id: u64,
+    status: Status,
+    detail: String,
+    tx: Option<TxReturn>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct MessageHead {
+    port: Port,
+}
+
+#[derive(Serialize, Deserialize)]
+struct FragmentHead {
+    message_id: u64,
+    index: u32,
+    count: u32,
+}
+
+/// Appends one frame (header and body) to `out`, whatever its size; see
+/// [`encode_fragmented`] for links with a frame size limit.
+///
+/// Fails with [`EncodeError`] when a local payload cannot be encoded; `out` is
+/// then left as it was.
+pub fn encode_frame(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
+    let start = out.len();
+    out.reserve(HEADER_LEN + 64);
+    out.put_slice(&MAGIC);
+    out.put_u8(VERSION);
+    out.put_u8(frame.kind() as u8);
+    out.put_u32_le(0); // length, patched below
+    out.put_u32_le(0); // crc, patched below
+    let body = encode_body(frame, out);
+    if let Err(e) = body {
+        out.truncate(start);
+        return Err(e);
+    }
+    let body_len = out.len() - start - HEADER_LEN;
+    let Ok(len32) = u32::try_from(body_len) else {
+        out.truncate(start);
+        return Err(EncodeError {
+            type_name: "Frame",
+            reason: format!("body of {body_len} bytes exceeds 4 GiB"),
+        });
+    };
+    out[start + 4..start + 8].copy_from_slice(&len32.to_le_bytes());
+    let crc = crc32c::crc32c_append(
+        crc32c::crc32c(&out[start..start + 8]),
+        &out[start + HEADER_LEN..],
+    );
+    out[start + 8..start + 12].copy_from_slice(&crc.to_le_bytes());
+    Ok(())
+}
+
+fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
+    match frame {
+        Frame::Hello(h) => encode_postcard(h, out),
+        Frame::Auth(a) => encode_postcard(a, out),
+        Frame::Refused(r) => encode_postcard(r, out),
+        Frame::Heartbeat(h) => encode_postcard(h, out),
+        Frame::Goodbye(g) => encode_postcard(g, out),
+        Frame::Request(r) => {
+            let head = RequestHead {
+                call_id: r.call_id,
+                service: r.service.clone(),
+                instance: r.instance,
+                node: r.node,
+                budget_us: r.budget_us,
+                tx: r.tx.clone(),
+                flags: r.flags,
+            };
+            encode_postcard(&head, out)?;
+            r.payload.write_to(out)
+        }
+        Frame::Response(r) => {
+            let head = ResponseHead {
+                call_id: r.call_id,
+                status: r.status,
+                detail: r.detail.clone(),
+                tx: r.tx.clone(),
+            };
+            encode_postcard(&head, out)?;
+            r.payload.write_to(out)
+        }
+        Frame::Message(m) => {
+            encode_postcard(&MessageHead { port: m.port }, out)?;
+            m.payload.write_to(out)
+        }
+        Frame::Fragment(f) => {
+            let head = FragmentHead {
+                message_id: f.message_id,
+                index: f.index,
+                count: f.count,
+            };
+            encode_postcard(&head, out)?;
+            out.extend_from_slice(&f.chunk);
+            Ok(())
+        }
+    }
+}
+
+/// Appends `frame` to `out` as one frame if it fits in `max_frame` bytes, or
+/// as a sequence of [`Fragment`] frames (each at most `max_frame` bytes) whose
+/// chunks concatenate to the frame's encoding. `message_id` identifies the
+/// fragments; the caller supplies a fresh one per fragmented frame.
+///
+/// Fails with [`EncodeError`] when a local payload cannot be encoded.
+pub fn encode_fragmented(
+    frame: &Frame,
+    max_frame: usize,
+    message_id: u64,
+    out: &mut BytesMut,
+) -> Result<(), EncodeError> {
+    let start = out.len();
+    encode_frame(frame, out)?;
+    let len = out.len() - start;
+    if len <= max_frame {
+        return Ok(());
+    }
+    let whole = out.split_off(start).freeze();
+    let chunk_len = max_frame.max(MIN_MAX_FRAME) - FRAGMENT_OVERHEAD;
+    let count = whole.len().div_ceil(chunk_len);
+    let count32 = u32::try_from(count).map_err(|_| EncodeError {
+        type_name: "Frame",
+        reason: format!("{} bytes need too many fragments", whole.len()),
+    })?;
+    for (index, chunk) in whole.chunks(chunk_len).enumerate() {
+        let piece = Frame::Fragment(Fragment {
+            message_id,
+            index: index as u32,
+            count: count32,
+            chunk: whole.slice_ref(chunk),
+        });
+        encode_frame(&piece, out)?;
+    }
+    Ok(())
+}
+
+/// Decodes the next frame from the front of `buf`, consuming its bytes.
+/// Returns `Ok(None)` when `buf` does not yet hold a whole frame (read more).
+///
+/// Fails with a [`DecodeError`] for malformed input; the stream cannot be
+/// resynchronised after that and the link should be closed. A frame larger
+/// than `limits.max_frame` is rejected as soon as its header arrives.
+pub fn decode_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Frame>, DecodeError> {
+    let Some(body_len) = check_header(buf, limits)? else {
+        return Ok(None);
+    };
+    let total = HEADER_LEN + body_len;
+    if buf.len() < total {
+        buf.reserve(total - buf.len());
+        return Ok(None);
+    }
+    let bytes = buf.split_to(total).freeze();
+    decode_checked(bytes).map(Some)
+}
+
+/// Decodes exactly one frame from `bytes`: the input must hold one whole frame
+/// and nothing else.
+///
+/// Fails with [`DecodeError::Truncated`] when bytes are missing,
+/// [`DecodeError::Trailing`] when bytes follow the frame, and any other
+/// [`DecodeError`] for malformed input.
+pub fn decode_exact(bytes: Bytes, limits: &Limits) -> Result<Frame, DecodeError> {
+    let Some(body_len) = check_header(&bytes, limits)? else {
+        return Err(DecodeError::Truncated {
+            needed: HEADER_LEN,
+            have: bytes.len(),
+        });
+    };
+    let total = HEADER_LEN + body_len;
+    if bytes.len() < total {
+        return Err(DecodeError::Truncated {
+            needed: total,
+            have: bytes.len(),
+        });
+    }
+    if bytes.len() > total {
+        let kind = FrameKind::from_u8(bytes[3]).unwrap_or(FrameKind::Hello);
+        return Err(DecodeError::Trailing {
+            kind,
+            extra: bytes.len() - total,
+        });
+    }
+    decode_checked(bytes)
+}
+
+/// Validates the header at the front of `buf`; returns the body length, or
+/// `None` if fewer than [`HEADER_LEN`] bytes are present.
+fn check_header(buf: &[u8], limits: &Limits) -> Result<Option<usize>, DecodeError> {
+    if buf.len() < 2 {
+        return Ok(None);
+    }
+    if buf[0..2] != MAGIC {
+        return Err(DecodeError::BadMagic([buf[0], buf[1]]));
+    }
+    if buf.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    if buf[2] != VERSION {
+        return Err(DecodeError::UnknownVersion(buf[2]));
+    }
+    if FrameKind::from_u8(buf[3]).is_none() {
+        return Err(DecodeError::UnknownKind(buf[3]));
+    }
+    let body_len = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+    let total = HEADER_LEN.saturating_add(body_len);
+    if total > limits.max_frame {
+        return Err(DecodeError::TooLarge {
+            len: total,
+            max: limits.max_frame,
+        });
+    }
+    Ok(Some(body_len))
+}
+
+/// Decodes one whole frame whose header has been validated.
+fn decode_checked(bytes: Bytes) -> Result<Frame, DecodeError> {
+    debug_assert!(bytes.len() >= HEADER_LEN);
+    let expected = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+    let actual = crc32c::crc32c_append(crc32c::crc32c(&bytes[0..8]), &bytes[HEADER_LEN..]);
+    if expected != actual {
+        return Err(DecodeError::Checksum { expected, actual });
+    }
+    let Some(kind) = FrameKind::from_u8(bytes[3]) else {
+        return Err(DecodeError::UnknownKind(bytes[3]));
+    };
+    let mut body = bytes;
+    body.advance(HEADER_LEN);
+    decode_body(kind, body)
+}
+
+/// Decodes a postcard head from the front of `body`; returns it and the rest.
+fn head<T: DeserializeOwned>(kind: FrameKind, body: &Bytes) -> Result<(T, Bytes), DecodeError> {
+    match postcard::take_from_bytes::<T>(body) {
+        Ok((v, rest)) => {
+            let used = body.len() - rest.len();
+            Ok((v, body.slice(used..)))
+        }
+        Err(e) => Err(DecodeError::Body {
+            kind,
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// Decodes a head that must fill the whole body.
+fn whole<T: DeserializeOwned>(kind: FrameKind, body: &Bytes) -> Result<T, DecodeError> {
+    let (v, rest) = head::<T>(kind, body)?;
+    if !rest.is_empty() {
+        return Err(DecodeError::Trailing {
+            kind,
+            extra: rest.len(),
+        });
+    }
+    Ok(v)
+}
+
+fn decode_body(kind: FrameKind, body: Bytes) -> Result<Frame, DecodeError> {
+    Ok(match kind {
+        FrameKind::Hello => Frame::Hello(whole(kind, &body)?),
+        FrameKind::Auth => Frame::Auth(whole(kind, &body)?),
+        FrameKind::Refused => Frame::Refused(whole(kind, &body)?),
+        FrameKind::Heartbeat => Frame::Heartbeat(whole(kind, &body)?),
+        FrameKind::Goodbye => Frame::Goodbye(whole(kind, &body)?),
+        FrameKind::Request => {
+            let (h, rest) = head::<RequestHead>(kind, &body)?;
+            Frame::Request(Request {
+                call_id: h.call_id,
+                service: h.service,
+                instance: h.instance,
+                node: h.node,
+                budget_us: h.budget_us,
+                tx: h.tx,
+                flags: h.flags,
+                payload: Payload::Bytes(rest),
+            })
+        }
+        FrameKind::Response => {
+            let (h, rest) = head::<ResponseHead>(kind, &body)?;
+            Frame::Response(Response {
+                call_id: h.call_id,
+                status: h.status,
+                detail: h.detail,
+                tx: h.tx,
+                payload: Payload::Bytes(rest),
+            })
+        }
+        FrameKind::Message => {
+            let (h, rest) = head::<MessageHead>(kind, &body)?;
+            Frame::Message(Message {
+                port: h.port,
+                payload: Payload::Bytes(rest),
+            })
+        }
+        FrameKind::Fragment => {
+            let (h, rest) = head::<FragmentHead>(kind, &body)?;
+            if h.count < 2 || h.index >= h.count {
+                return Err(DecodeError::Fragment(format!(
+                    "index {} of {} is out of range",
+                    h.index, h.count
+                )));
+            }
+            Frame::Fragment(Fragment {
+                message_id: h.message_id,
+                index: h.index,
+                count: h.count,
+                chunk: rest,
+            })
+        }
+    })
+}
+
+struct Partial {
+    count: u32,
+    next: u32,
+    bytes: BytesMut,
+}
+
+/// Reassembles fragmented frames arriving on one link, in order.
+///
+/// Bounded: at most `limits.max_partial_messages` frames in reassembly and at
+/// most `limits.max_message` bytes each.
+pub struct Reassembler {
+    limits: Limits,
+    partial: HashMap<u64, Partial>,
+}
+
+impl Reassembler {
+    /// An empty reassembler enforcing `limits`.
+    pub fn new(limits: Limits) -> Self {
+        Reassembler {
+            limits,
+            partial: HashMap::new(),
+        }
+    }
+
+    /// Number of frames currently being reassembled.
+    pub fn in_progress(&self) -> usize {
+        self.partial.len()
+    }
+
+    /// Accepts one fragment. Returns the reassembled frame when `fragment` was
+    /// the last piece, `None` while pieces are missing.
+    ///
+    /// Fails with [`DecodeError::Fragment`] for out-of-order or inconsistent
+    /// pieces or too many frames in reassembly, [`DecodeError::TooLarge`] when
+    /// the reassembled size exceeds `max_message`, and any [`DecodeError`] of
+    /// the reassembled frame itself (which may not be a fragment).
+    pub fn accept(&mut self, fragment: Fragment) -> Result<Option<Frame>, DecodeError> {
+        let id = fragment.message_id;
+        if fragment.index == 0 {
+            if self.partial.contains_key(&id) {
+                return Err(DecodeError::Fragment(format!("message {id} restarted")));
+            }
+            if self.partial.len() >= self.limits.max_partial_messages {
+                return Err(DecodeError::Fragment(format!(
+                    "more than {} fragmented messages in flight",
+                    self.limits.max_partial_messages
+                )));
+            }
+            self.partial.insert(
+                id,
+                Partial {
+                    count: fragment.count,
+                    next: 0,
+                    bytes: BytesMut::new(),
+                },
+            );
+        }
+        let Some(p) = self.partial.get_mut(&id) else {
+            return Err(DecodeError::Fragment(format!(
+                "piece {} of unknown message {id}",
+                fragment.index
+            )));
+        };
+        if fragment.index != p.next || fragment.count != p.count {
+            let msg = format!(
+                "message {id}: got piece {}/{}, expected {}/{}",
+                fragment.index, fragment.count, p.next, p.count
+            );
+            self.partial.remove(&id);
+            return Err(DecodeError::Fragment(msg));
+        }
+        let len = p.bytes.len() + fragment.chunk.len();
+        if len > self.limits.max_message {
+            self.partial.remove(&id);
+            return Err(DecodeError::TooLarge {
+                len,
+                max: self.limits.max_message,
+            });
+        }
+        p.bytes.extend_from_slice(&fragment.chunk);
+        p.next += 1;
+        if p.next < p.count {
+            return Ok(None);
+        }
+        let done = self
+            .partial
+            .remove(&id)
+            .map(|p| p.bytes.freeze())
+            .unwrap_or_default();
+        let whole_limits = Limits {
+            max_frame: self.limits.max_message,
+            ..self.limits
+        };
+        match decode_exact(done, &whole_limits)? {
+            Frame::Fragment(_) => Err(DecodeError::Fragment(
+                "a fragment cannot contain a fragment".into(),
+            )),
+            frame => Ok(Some(frame)),
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! weft's vocabulary: identifiers, status codes, the transaction context,
+//! payloads, frames and their codec.
+//!
+//! Everything here is plain data and pure functions: no sockets, no files, no
+//! clocks. The byte format is documented in `docs/wire.md` so that a client in
+//! another language can speak it.
+
+pub mod auth;
+pub mod codec;
+pub mod frame;
+pub mod ids;
+pub mod payload;
+pub mod status;
+pub mod txctx;
+
+pub use codec::{
+    decode_exact, decode_frame, encode_fragmented, encode_frame, DecodeError, Limits, Reassembler,
+};
+pub use frame::{
+    Auth, Fragment, Frame, FrameKind, Goodbye, Heartbeat, Hello, Message, PeerRole, Port, Refused,
+    Request, Response,
+};
+pub use ids::{
+    Address, GroupId, Incarnation, NodeId, ParseIdError, ServiceName, SubPath, Tid, Xid,
+};
+pub use payload::{EncodeError, LocalValue, Payload, PayloadError};
+pub use status::{Failure, Status};
+pub use txctx::{Baggage, BaggageItem, TxContext, TxReturn};
