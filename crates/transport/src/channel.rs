@@ -1,0 +1,72 @@
+//! The interface every channel implements for one end of one link.
+//!
+//! Owns the contract between the generic link logic and a concrete medium
+//! (in-process hand-off, shared memory, TCP). Must never contain protocol
+//! logic: a channel moves frames and reports closure, nothing else.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use weft_wire::Frame;
+
+/// The kind of medium a link runs over, cheapest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ChannelKind {
+    /// Same process: the frame value itself is handed over, never encoded.
+    Inproc,
+    /// Same host: shared-memory rings.
+    Shm,
+    /// Anywhere: TCP.
+    Tcp,
+}
+
+impl fmt::Display for ChannelKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ChannelKind::Inproc => "inproc",
+            ChannelKind::Shm => "shm",
+            ChannelKind::Tcp => "tcp",
+        })
+    }
+}
+
+/// Why a channel could not take a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IoError {
+    /// The link is closed.
+    #[error("link closed")]
+    Closed,
+    /// The channel's outgoing buffer is full.
+    #[error("outgoing buffer full")]
+    Full,
+    /// The frame could not be encoded.
+    #[error("cannot encode frame: {0}")]
+    Encode(String),
+}
+
+/// One end of a link over some medium.
+///
+/// `send` must not block. It may run the receiving end's processing
+/// synchronously (the inproc channel does: direct control passing), so a
+/// caller must never hold a lock that the receiving side could need.
+pub trait LinkIo: Send + Sync + 'static {
+    /// Hands one frame to the medium.
+    ///
+    /// Fails with [`IoError::Closed`] once the link is closed, [`IoError::Full`]
+    /// when a bounded buffer is full, [`IoError::Encode`] when a payload cannot
+    /// be encoded for a byte medium.
+    fn send(&self, frame: Frame) -> Result<(), IoError>;
+
+    /// Tells the channel the largest frame the peer accepts (learned in the
+    /// handshake); byte channels fragment larger frames.
+    fn set_peer_max_frame(&self, _max_frame: usize) {}
+
+    /// Closes the medium; the other end sees the link close.
+    fn close(&self);
+
+    /// The medium's kind.
+    fn kind(&self) -> ChannelKind;
+
+    /// A short description for status output ("tcp 127.0.0.1:7001").
+    fn describe(&self) -> String;
+}

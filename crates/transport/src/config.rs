@@ -1,0 +1,135 @@
+//! Transport configuration: identity, secret, channels, limits and timing.
+//!
+//! Owns every knob of the messaging layer with its default and its bound
+//! (TigerStyle: a limit on everything). Must never read the environment; the
+//! binary maps flags and environment variables onto this struct.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use weft_wire::{Incarnation, Limits, NodeId, PeerRole};
+
+use crate::fault::FaultPlan;
+use crate::inproc::InprocHub;
+
+/// Which channel kinds a node may use. Resolution picks the cheapest enabled
+/// channel that reaches a peer: inproc, then shm, then tcp.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelSet {
+    /// Same-process nodes exchange values directly.
+    pub inproc: bool,
+    /// Same-host nodes talk through shared memory.
+    pub shm: bool,
+    /// Everything else goes over TCP.
+    pub tcp: bool,
+}
+
+impl Default for ChannelSet {
+    fn default() -> Self {
+        ChannelSet {
+            inproc: true,
+            shm: true,
+            tcp: true,
+        }
+    }
+}
+
+/// Configuration of one node's transport.
+#[derive(Clone)]
+pub struct TransportConfig {
+    /// This node's id ([`NodeId::CLIENT`] for clients).
+    pub node: NodeId,
+    /// This node's incarnation.
+    pub incarnation: Incarnation,
+    /// Member or client.
+    pub role: PeerRole,
+    /// The cluster secret every link must prove (may be empty: then every
+    /// node must use the empty secret).
+    pub secret: Vec<u8>,
+    /// TCP address to listen on (port 0 picks a free port); `None` for no
+    /// TCP listener.
+    pub listen: Option<SocketAddr>,
+    /// Channels this node may use.
+    pub channels: ChannelSet,
+    /// The in-process hub; `None` uses the process-wide default hub.
+    pub hub: Option<Arc<InprocHub>>,
+    /// Fault injection applied to every link of this node (tests).
+    pub fault: Option<Arc<FaultPlan>>,
+    /// Frame and message size limits.
+    pub limits: Limits,
+    /// How often the failure detector probes each peer.
+    pub heartbeat_interval: Duration,
+    /// A peer not heard from for this long is declared dead (HostDead).
+    pub dead_after: Duration,
+    /// How long a link may take to connect and authenticate.
+    pub connect_timeout: Duration,
+    /// First and largest delay between reconnection attempts.
+    pub reconnect_backoff: (Duration, Duration),
+    /// Frames queued for a peer while its link is being established; more
+    /// gives NoBuffer.
+    pub max_queued_frames: usize,
+    /// Identity of this host, used to find same-host peers.
+    pub host_id: String,
+}
+
+impl TransportConfig {
+    /// A member node with default settings and no TCP listener.
+    pub fn node(node: NodeId, incarnation: Incarnation) -> Self {
+        TransportConfig {
+            node,
+            incarnation,
+            role: PeerRole::Node,
+            secret: Vec::new(),
+            listen: None,
+            channels: ChannelSet::default(),
+            hub: None,
+            fault: None,
+            limits: Limits::default(),
+            heartbeat_interval: Duration::from_millis(200),
+            dead_after: Duration::from_millis(2000),
+            connect_timeout: Duration::from_millis(2000),
+            reconnect_backoff: (Duration::from_millis(20), Duration::from_millis(1000)),
+            max_queued_frames: 4096,
+            host_id: crate::host::host_id(),
+        }
+    }
+
+    /// A client (not a member) with default settings.
+    pub fn client(incarnation: Incarnation) -> Self {
+        TransportConfig {
+            role: PeerRole::Client,
+            channels: ChannelSet {
+                inproc: false,
+                shm: false,
+                tcp: true,
+            },
+            ..TransportConfig::node(NodeId::CLIENT, incarnation)
+        }
+    }
+
+    /// Checks the configuration for values that cannot work.
+    ///
+    /// Fails with a message naming the first bad setting.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.role == PeerRole::Node && self.node.is_client() {
+            return Err("node id 0 is reserved for clients".into());
+        }
+        if self.limits.max_frame < weft_wire::codec::MIN_MAX_FRAME {
+            return Err(format!(
+                "max frame size must be at least {} bytes",
+                weft_wire::codec::MIN_MAX_FRAME
+            ));
+        }
+        if self.limits.max_message < self.limits.max_frame {
+            return Err("max message size must be at least the max frame size".into());
+        }
+        if self.heartbeat_interval.is_zero() || self.dead_after < self.heartbeat_interval * 2 {
+            return Err("dead_after must be at least twice the heartbeat interval".into());
+        }
+        if !(self.channels.inproc || self.channels.tcp || self.channels.shm) {
+            return Err("at least one channel must be enabled".into());
+        }
+        Ok(())
+    }
+}

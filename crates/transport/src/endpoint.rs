@@ -1,0 +1,1615 @@
+//! The endpoint: one node's messaging runtime.
+//!
+//! Owns the peer table (routes, links, liveness), the pending-call table, the
+//! dispatch of received frames to the layers above, the failure detector's
+//! loop and the naming protocol (directory and member sides). Must never hold
+//! a lock while handing a frame to a link or an event to a listener: links may
+//! deliver synchronously into another node of the same process, which may
+//! answer synchronously.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+use rand::RngCore;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use weft_wire::{
+    Failure, Frame, FrameKind, Hello, Incarnation, Message, NodeId, Payload, PeerRole, Port,
+    Request, Response, Status,
+};
+
+use crate::calls::{CallGuard, Calls};
+use crate::channel::{ChannelKind, IoError};
+use crate::config::TransportConfig;
+use crate::detector::{Detector, Verdict};
+use crate::handshake::Side;
+use crate::inproc::{self, InprocHub, Lookup};
+use crate::link::{Link, PeerRef};
+use crate::naming::{admission, NamingMsg, NodeInfo};
+use crate::tcp;
+
+/// Handles requests addressed to this node (the RPC layer implements it).
+pub trait RequestHandler: Send + Sync + 'static {
+    /// Takes one request. It must not block: long work is spawned. The
+    /// request is answered through `responder` (dropping it answers
+    /// Internal).
+    fn handle(&self, from: PeerRef, request: Request, responder: Responder);
+}
+
+/// Handles one-way messages on a port (transactions, groups...).
+pub trait PortHandler: Send + Sync + 'static {
+    /// Takes one message. Runs on the endpoint's inbox task, in arrival
+    /// order; it must not block.
+    fn on_message(&self, from: PeerRef, payload: Payload);
+}
+
+/// A change in cluster membership or liveness.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MembershipEvent {
+    /// A member joined, or came back with a new incarnation.
+    Joined(NodeInfo),
+    /// A member left (`cause` Ok), was declared dead (HostDead: silent past
+    /// the detector's bound; ProcDead: its process is gone), or restarted
+    /// (the old incarnation is reported here, ProcDead).
+    Left {
+        /// The member.
+        node: NodeId,
+        /// The incarnation that is gone, when known.
+        incarnation: Option<Incarnation>,
+        /// Ok, HostDead or ProcDead.
+        cause: Status,
+        /// Explanation.
+        reason: String,
+    },
+    /// A member declared dead was heard from again (same incarnation).
+    Revived(NodeId),
+}
+
+/// Where to find a cluster to join.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Seed {
+    /// A member's TCP address.
+    Tcp(SocketAddr),
+    /// A member in the same in-process hub.
+    Inproc(NodeId),
+}
+
+/// How this node sees one member.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NodeStatus {
+    /// What the member announced.
+    pub info: NodeInfo,
+    /// False once declared dead.
+    pub alive: bool,
+    /// Why it is dead, when it is.
+    pub cause: Option<Status>,
+    /// The channel of the established link to it, if any.
+    pub channel: Option<ChannelKind>,
+    /// A description of that link.
+    pub route: Option<String>,
+}
+
+/// This node's view of the cluster.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ClusterView {
+    /// The node whose view this is.
+    pub node: NodeId,
+    /// The directory node, when known.
+    pub directory: Option<NodeId>,
+    /// Every member this node knows, itself included.
+    pub nodes: Vec<NodeStatus>,
+}
+
+/// Counters of frames sent by this node.
+#[derive(Default)]
+pub struct Stats {
+    sent: [AtomicU64; 10],
+}
+
+impl Stats {
+    pub(crate) fn count_sent(&self, kind: FrameKind) {
+        self.sent[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A snapshot of the counters.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let g = |k: FrameKind| self.sent[k as usize].load(Ordering::Relaxed);
+        StatsSnapshot {
+            requests: g(FrameKind::Request),
+            responses: g(FrameKind::Response),
+            messages: g(FrameKind::Message),
+            heartbeats: g(FrameKind::Heartbeat),
+            handshakes: g(FrameKind::Hello) + g(FrameKind::Auth),
+        }
+    }
+}
+
+/// Frames sent, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StatsSnapshot {
+    /// Call requests.
+    pub requests: u64,
+    /// Call responses.
+    pub responses: u64,
+    /// One-way protocol messages.
+    pub messages: u64,
+    /// Heartbeat probes and answers.
+    pub heartbeats: u64,
+    /// Handshake frames.
+    pub handshakes: u64,
+}
+
+impl StatsSnapshot {
+    /// Messages that carry work: requests, responses and protocol messages
+    /// (heartbeats and handshakes excluded).
+    pub fn work_messages(&self) -> u64 {
+        self.requests + self.responses + self.messages
+    }
+}
+
+/// Answers one request, on the link it came from.
+pub struct Responder {
+    link: Arc<Link>,
+    call_id: u64,
+    done: bool,
+}
+
+impl Responder {
+    /// The call id being answered.
+    pub fn call_id(&self) -> u64 {
+        self.call_id
+    }
+
+    /// Sends the response. A link closed in the meantime drops it silently
+    /// (the caller's side fails the call).
+    pub fn respond(mut self, mut response: Response) {
+        self.done = true;
+        response.call_id = self.call_id;
+        let _ = self.link.send(Frame::Response(response));
+    }
+
+    /// Sends a failure response.
+    pub fn fail(self, failure: Failure) {
+        self.respond(Response {
+            call_id: 0,
+            status: failure.status,
+            detail: failure.detail,
+            tx: None,
+            payload: Payload::empty(),
+        });
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.link.send(Frame::Response(Response {
+                call_id: self.call_id,
+                status: Status::Internal,
+                detail: "the request was dropped without an answer".into(),
+                tx: None,
+                payload: Payload::empty(),
+            }));
+        }
+    }
+}
+
+/// Failure to start an endpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The configuration cannot work.
+    #[error("invalid transport configuration: {0}")]
+    Config(String),
+    /// The TCP listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+#[derive(Default)]
+struct PeerEntry {
+    info: Option<NodeInfo>,
+    incarnation: Option<Incarnation>,
+    links: Vec<Arc<Link>>,
+    connecting: Option<VecDeque<Frame>>,
+    dead: Option<(Status, String)>,
+    backoff: Option<(Instant, Failure)>,
+    next_backoff: Duration,
+}
+
+struct NamingState {
+    directory: Option<NodeId>,
+    members: BTreeMap<NodeId, NodeInfo>,
+    pending_join: Option<oneshot::Sender<NamingMsg>>,
+    seed: Option<Seed>,
+    rejoin_at: Option<Instant>,
+}
+
+/// A membership listener.
+type Listener = Arc<dyn Fn(&MembershipEvent) + Send + Sync>;
+
+#[derive(Default)]
+struct Handlers {
+    request: Option<Arc<dyn RequestHandler>>,
+    ports: HashMap<Port, Arc<dyn PortHandler>>,
+    listeners: Vec<Listener>,
+}
+
+/// Shared state of an endpoint; see [`Endpoint`].
+pub(crate) struct Inner {
+    pub(crate) cfg: TransportConfig,
+    pub(crate) secret: Arc<[u8]>,
+    pub(crate) stats: Stats,
+    hub: Option<Arc<InprocHub>>,
+    me: RwLock<NodeInfo>,
+    peers: Mutex<HashMap<NodeId, PeerEntry>>,
+    links: Mutex<HashMap<u64, Arc<Link>>>,
+    calls: Arc<Calls>,
+    handlers: RwLock<Handlers>,
+    detector: Mutex<Detector>,
+    naming: Mutex<NamingState>,
+    inbox: mpsc::UnboundedSender<(PeerRef, Message)>,
+    gateway: Mutex<Option<NodeId>>,
+    link_ids: AtomicU64,
+    call_ids: AtomicU64,
+    crashed: AtomicBool,
+    closing: AtomicBool,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    refusals: Mutex<VecDeque<String>>,
+}
+
+/// Most refused-link reports kept for [`Endpoint::refusals`].
+const MAX_REFUSALS: usize = 64;
+
+/// One node's messaging runtime: links to peers over the cheapest channel,
+/// calls with deadlines, one-way protocol messages, cluster membership and
+/// failure detection. Cheap to clone.
+#[derive(Clone)]
+pub struct Endpoint {
+    inner: Arc<Inner>,
+}
+
+impl Endpoint {
+    /// Starts an endpoint: binds the TCP listener (if configured), registers
+    /// in the in-process hub and starts the detector. A member starts as the
+    /// directory of a one-node cluster until it joins another.
+    ///
+    /// Must be called inside a tokio runtime. Fails with [`StartError`] for
+    /// an invalid configuration or a listener that cannot be bound.
+    pub async fn start(cfg: TransportConfig) -> Result<Endpoint, StartError> {
+        cfg.validate().map_err(StartError::Config)?;
+        let hub = if cfg.role == PeerRole::Node {
+            Some(cfg.hub.clone().unwrap_or_else(InprocHub::global))
+        } else {
+            None
+        };
+        let me = NodeInfo {
+            id: cfg.node,
+            incarnation: cfg.incarnation,
+            addr: None,
+            host: cfg.host_id.clone(),
+            hub: hub.as_ref().filter(|_| cfg.channels.inproc).map(|h| h.id()),
+            shm: None,
+            pid: std::process::id(),
+            services: Vec::new(),
+            directory: cfg.role == PeerRole::Node,
+        };
+        let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            secret: cfg.secret.clone().into(),
+            detector: Mutex::new(Detector::new(cfg.heartbeat_interval, cfg.dead_after)),
+            hub,
+            me: RwLock::new(me.clone()),
+            peers: Mutex::new(HashMap::new()),
+            links: Mutex::new(HashMap::new()),
+            calls: Arc::new(Calls::new()),
+            handlers: RwLock::new(Handlers::default()),
+            naming: Mutex::new(NamingState {
+                directory: (cfg.role == PeerRole::Node).then_some(cfg.node),
+                members: BTreeMap::new(),
+                pending_join: None,
+                seed: None,
+                rejoin_at: None,
+            }),
+            inbox: inbox_tx,
+            gateway: Mutex::new(None),
+            link_ids: AtomicU64::new(1),
+            call_ids: AtomicU64::new(1),
+            crashed: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            tasks: Mutex::new(Vec::new()),
+            refusals: Mutex::new(VecDeque::new()),
+            stats: Stats::default(),
+            cfg,
+        });
+        if let Some(addr) = inner.cfg.listen.filter(|_| inner.cfg.channels.tcp) {
+            let bound = tcp::listen(&inner, addr)
+                .await
+                .map_err(|source| StartError::Listen { addr, source })?;
+            inner.me.write().addr = Some(bound.to_string());
+        }
+        if inner.cfg.role == PeerRole::Node {
+            if let Some(hub) = &inner.hub {
+                hub.register(inner.cfg.node, &inner);
+            }
+            let me = inner.me.read().clone();
+            inner.naming.lock().members.insert(me.id, me);
+        }
+        inner.spawn(Inner::inbox_task(Arc::downgrade(&inner), inbox_rx));
+        inner.spawn(Inner::detector_task(Arc::downgrade(&inner)));
+        Ok(Endpoint { inner })
+    }
+
+    /// Connects a client endpoint to one node, which relays its calls.
+    ///
+    /// Fails with the handshake's status (WrongSecret when the secret is
+    /// wrong), ProcDead/HostDead when the node cannot be reached.
+    pub async fn connect_client(
+        cfg: TransportConfig,
+        addr: SocketAddr,
+    ) -> Result<Endpoint, Failure> {
+        let ep = Endpoint::start(TransportConfig {
+            role: PeerRole::Client,
+            listen: None,
+            ..cfg
+        })
+        .await
+        .map_err(|e| Failure::new(Status::BadRequest, e.to_string()))?;
+        let link = tcp::connect(&ep.inner, addr, None).await?;
+        let peer = link.established(ep.inner.cfg.connect_timeout).await?;
+        *ep.inner.gateway.lock() = Some(peer.node);
+        Ok(ep)
+    }
+
+    /// Joins the cluster through `seed` (any member; a non-directory member
+    /// redirects to the directory). Retries the directory automatically later
+    /// if it dies or restarts.
+    ///
+    /// Fails with WrongSecret when the cluster's secret differs (the
+    /// directory logs the refusal too), Refused when the node id is taken by
+    /// another live node, HostDead/ProcDead when the seed cannot be reached,
+    /// TimedOut when the directory does not answer.
+    pub async fn join(&self, seed: Seed) -> Result<(), Failure> {
+        self.inner.naming.lock().seed = Some(seed.clone());
+        self.inner.join_via(seed).await
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> NodeId {
+        self.inner.cfg.node
+    }
+
+    /// This node's incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.inner.cfg.incarnation
+    }
+
+    /// The configuration the endpoint runs with.
+    pub fn config(&self) -> &TransportConfig {
+        &self.inner.cfg
+    }
+
+    /// The bound TCP address, if listening.
+    pub fn listen_addr(&self) -> Option<SocketAddr> {
+        self.inner
+            .me
+            .read()
+            .addr
+            .as_deref()
+            .and_then(|a| a.parse().ok())
+    }
+
+    /// What this node announces about itself.
+    pub fn info(&self) -> NodeInfo {
+        self.inner.me.read().clone()
+    }
+
+    /// Installs the handler for requests to this node.
+    pub fn set_request_handler(&self, handler: Arc<dyn RequestHandler>) {
+        self.inner.handlers.write().request = Some(handler);
+    }
+
+    /// Installs the handler of a protocol port.
+    pub fn set_port_handler(&self, port: Port, handler: Arc<dyn PortHandler>) {
+        self.inner.handlers.write().ports.insert(port, handler);
+    }
+
+    /// Adds a membership listener. Listeners run synchronously where the
+    /// event happens and must not block.
+    pub fn on_membership(&self, listener: impl Fn(&MembershipEvent) + Send + Sync + 'static) {
+        self.inner
+            .handlers
+            .write()
+            .listeners
+            .push(Arc::new(listener));
+    }
+
+    /// Announces this node's services to the cluster.
+    pub fn set_services(&self, mut services: Vec<String>) {
+        services.sort();
+        services.dedup();
+        let info = {
+            let mut me = self.inner.me.write();
+            if me.services == services {
+                return;
+            }
+            me.services = services;
+            me.clone()
+        };
+        self.inner.announce_self(info);
+    }
+
+    /// Sends a one-way message to a port of `to`.
+    ///
+    /// Fails with AddrError for an unknown node, HostDead/ProcDead for a dead
+    /// one, NoBuffer when too many frames wait for its link, ShuttingDown
+    /// after shutdown. Success means handed to the link, not delivered.
+    pub fn send(&self, to: NodeId, port: Port, payload: Payload) -> Result<(), Failure> {
+        self.inner
+            .send_frame(to, Frame::Message(Message { port, payload }), false)
+    }
+
+    /// Calls `to` with `request` (its `call_id` is assigned here) and waits
+    /// for the response until `deadline`.
+    ///
+    /// Fails with TimedOut at the deadline, HostDead when the detector
+    /// declares the node dead meanwhile, ProcDead when its process is gone or
+    /// the link closes, AddrError for an unknown node, NoBuffer when its
+    /// queue is full. A response with a non-Ok status is returned as `Ok`:
+    /// the status belongs to the callee.
+    pub async fn call(
+        &self,
+        to: NodeId,
+        mut request: Request,
+        deadline: Option<Instant>,
+    ) -> Result<Response, Failure> {
+        let inner = &self.inner;
+        let id = inner.call_ids.fetch_add(1, Ordering::Relaxed);
+        request.call_id = id;
+        let target = if inner.cfg.role == PeerRole::Client {
+            inner
+                .gateway
+                .lock()
+                .ok_or_else(|| Failure::new(Status::ProcDead, "not connected"))?
+        } else {
+            to
+        };
+        if let Some(d) = deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            request.budget_us = Some(left.as_micros().min(u64::MAX as u128) as u64);
+        }
+        let rx = inner.calls.insert(id, target);
+        let mut guard = CallGuard {
+            calls: inner.calls.clone(),
+            id,
+            armed: true,
+        };
+        if let Err(f) = inner.send_frame(target, Frame::Request(request), false) {
+            inner.calls.forget(id);
+            guard.armed = false;
+            return Err(f);
+        }
+        let outcome = match deadline {
+            Some(d) => match tokio::time::timeout_at(d.into(), rx).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return Err(Failure::new(
+                        Status::TimedOut,
+                        format!("no answer from node {to} before the deadline"),
+                    ))
+                }
+            },
+            None => rx.await,
+        };
+        guard.armed = false;
+        match outcome {
+            Ok(result) => result,
+            Err(_) => Err(Failure::new(
+                Status::Internal,
+                "call abandoned by the transport",
+            )),
+        }
+    }
+
+    /// The incarnation of `node` as last seen, if known.
+    pub fn peer_incarnation(&self, node: NodeId) -> Option<Incarnation> {
+        if node == self.inner.cfg.node {
+            return Some(self.inner.cfg.incarnation);
+        }
+        self.inner
+            .peers
+            .lock()
+            .get(&node)
+            .and_then(|e| e.incarnation)
+    }
+
+    /// The status of `node`: `None` when alive and known, else why not
+    /// (AddrError unknown, HostDead/ProcDead dead).
+    pub fn peer_status(&self, node: NodeId) -> Option<Status> {
+        if node == self.inner.cfg.node {
+            return None;
+        }
+        match self.inner.peers.lock().get(&node) {
+            None => Some(Status::AddrError),
+            Some(e) => e.dead.as_ref().map(|(s, _)| *s),
+        }
+    }
+
+    /// This node's view of the cluster.
+    pub fn view(&self) -> ClusterView {
+        self.inner.view()
+    }
+
+    /// Frame counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.inner.stats.snapshot()
+    }
+
+    /// Recent links this node refused or was refused on (wrong secret,
+    /// protocol errors), newest last.
+    pub fn refusals(&self) -> Vec<String> {
+        self.inner.refusals.lock().iter().cloned().collect()
+    }
+
+    /// Number of calls waiting for an answer.
+    pub fn pending_calls(&self) -> usize {
+        self.inner.calls.len()
+    }
+
+    /// Leaves the cluster in an orderly way: tells the directory, says
+    /// goodbye on every link, fails pending calls with ShuttingDown and stops.
+    pub async fn shutdown(&self) {
+        let inner = &self.inner;
+        if inner.closing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let directory = inner.naming.lock().directory;
+        if let Some(dir) = directory.filter(|d| *d != inner.cfg.node) {
+            let msg = NamingMsg::Leave {
+                node: inner.cfg.node,
+                incarnation: inner.cfg.incarnation,
+            };
+            let _ = inner.send_frame(dir, naming_frame(msg), true);
+        } else if directory == Some(inner.cfg.node) {
+            // The directory leaving tells everyone itself.
+            inner.broadcast(
+                NamingMsg::Left {
+                    node: inner.cfg.node,
+                    incarnation: inner.cfg.incarnation,
+                    cause: Status::Ok,
+                },
+                None,
+            );
+        }
+        let links: Vec<Arc<Link>> = inner.links.lock().values().cloned().collect();
+        for link in &links {
+            let _ = link.send(Frame::Goodbye(weft_wire::Goodbye {
+                reason: "shutdown".into(),
+            }));
+        }
+        // Give the goodbyes a moment to be written before the sockets close.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        for link in links {
+            link.close(Status::ShuttingDown, "node shutting down");
+        }
+        inner
+            .calls
+            .fail_all(&Failure::new(Status::ShuttingDown, "node shutting down"));
+        if let Some(hub) = &inner.hub {
+            hub.unregister(inner.cfg.node, inner);
+        }
+        inner.stop_tasks();
+    }
+
+    /// Simulates a crash (tests): from now on the node neither sends nor
+    /// receives anything; in-process peers see silence (and declare it dead
+    /// after the detector's bound), TCP peers see their connections drop as
+    /// when a process dies.
+    pub fn crash(&self) {
+        let inner = &self.inner;
+        if inner.crashed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        inner.closing.store(true, Ordering::Release);
+        if let Some(hub) = &inner.hub {
+            hub.mark_crashed(inner.cfg.node, inner);
+        }
+        let links: Vec<Arc<Link>> = inner.links.lock().values().cloned().collect();
+        for link in links {
+            if link.kind() != ChannelKind::Inproc {
+                link.close(Status::ProcDead, "crashed");
+            }
+        }
+        inner
+            .calls
+            .fail_all(&Failure::new(Status::ShuttingDown, "node crashed"));
+        inner.stop_tasks();
+    }
+
+    /// True after [`Endpoint::crash`].
+    pub fn is_crashed(&self) -> bool {
+        self.inner.is_crashed()
+    }
+}
+
+fn naming_frame(msg: NamingMsg) -> Frame {
+    Frame::Message(Message {
+        port: Port::NAMING,
+        payload: Payload::local(msg),
+    })
+}
+
+impl Inner {
+    pub(crate) fn own_hello(&self) -> Hello {
+        let mut nonce = [0u8; 16];
+        rand::thread_rng().fill_bytes(&mut nonce);
+        Hello {
+            node: self.cfg.node,
+            incarnation: self.cfg.incarnation,
+            role: self.cfg.role,
+            nonce,
+            max_frame: self.cfg.limits.max_frame.min(u32::MAX as usize) as u32,
+            max_message: self.cfg.limits.max_message as u64,
+        }
+    }
+
+    pub(crate) fn next_link_id(&self) -> u64 {
+        self.link_ids.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_crashed(&self) -> bool {
+        self.crashed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn spawn(&self, fut: impl Future<Output = ()> + Send + 'static) {
+        let handle = tokio::spawn(fut);
+        let mut tasks = self.tasks.lock();
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(handle);
+    }
+
+    fn stop_tasks(&self) {
+        for t in self.tasks.lock().drain(..) {
+            t.abort();
+        }
+    }
+
+    pub(crate) fn register_link(&self, link: &Arc<Link>) {
+        self.links.lock().insert(link.id, Arc::clone(link));
+    }
+
+    fn emit(&self, event: MembershipEvent) {
+        tracing::debug!(node = %self.cfg.node, ?event, "membership");
+        let listeners = self.handlers.read().listeners.clone();
+        for l in listeners {
+            l(&event);
+        }
+    }
+
+    // ----- sending ---------------------------------------------------------
+
+    /// Sends a frame to `to` over an established link, queueing it while a
+    /// link is being set up. `probe` lets heartbeats reach peers believed dead.
+    pub(crate) fn send_frame(
+        self: &Arc<Self>,
+        to: NodeId,
+        frame: Frame,
+        probe: bool,
+    ) -> Result<(), Failure> {
+        if self.is_crashed() {
+            return Ok(());
+        }
+        if self.is_closing() && !probe {
+            return Err(Failure::new(Status::ShuttingDown, "node is shutting down"));
+        }
+        {
+            let call_id = match &frame {
+                Frame::Request(r) => Some(r.call_id),
+                _ => None,
+            };
+            let link = {
+                let mut peers = self.peers.lock();
+                let entry = match peers.get_mut(&to) {
+                    Some(e) => e,
+                    None if to == self.cfg.node => peers.entry(to).or_default(),
+                    None => {
+                        return Err(Failure::new(
+                            Status::AddrError,
+                            format!("node {to} is not a known member"),
+                        ))
+                    }
+                };
+                if let (Some((status, reason)), false) = (&entry.dead, probe) {
+                    return Err(Failure::new(
+                        *status,
+                        format!("node {to} is dead: {reason}"),
+                    ));
+                }
+                entry.links.retain(|l| !l.is_closed());
+                match entry.links.first() {
+                    Some(l) => Arc::clone(l),
+                    None => {
+                        if let Some(q) = entry.connecting.as_mut() {
+                            if q.len() >= self.cfg.max_queued_frames {
+                                return Err(Failure::new(
+                                    Status::NoBuffer,
+                                    format!("{} frames already wait for node {to}", q.len()),
+                                ));
+                            }
+                            q.push_back(frame);
+                            return Ok(());
+                        }
+                        if let Some((until, failure)) = &entry.backoff {
+                            if Instant::now() < *until {
+                                return Err(failure.clone());
+                            }
+                        }
+                        if self.cfg.role == PeerRole::Client {
+                            return Err(Failure::new(Status::ProcDead, "gateway link closed"));
+                        }
+                        entry.connecting = Some(VecDeque::from([frame]));
+                        drop(peers);
+                        let me = Arc::clone(self);
+                        self.spawn(async move {
+                            let result = me.connect_peer(to).await;
+                            if let Err(f) = result {
+                                me.connect_failed(to, f);
+                            }
+                        });
+                        return Ok(());
+                    }
+                }
+            };
+            if let Some(id) = call_id {
+                self.calls.set_link(id, link.id);
+            }
+            match link.send(frame) {
+                Ok(()) => Ok(()),
+                Err(IoError::Closed) => {
+                    // Lost a race with a closing link: the frame is consumed,
+                    // so a request fails and the caller may retry.
+                    if let Some(id) = call_id {
+                        let f = Failure::new(Status::ProcDead, format!("link to node {to} closed"));
+                        self.calls.fail(id, f);
+                    }
+                    Ok(())
+                }
+                Err(IoError::Full) => Err(Failure::new(
+                    Status::NoBuffer,
+                    format!("link to {to} is full"),
+                )),
+                Err(IoError::Encode(e)) => Err(Failure::new(Status::BadRequest, e)),
+            }
+        }
+    }
+
+    /// Opens a link to `to` over the cheapest channel that reaches it.
+    async fn connect_peer(self: &Arc<Self>, to: NodeId) -> Result<(), Failure> {
+        if to == self.cfg.node {
+            let link = inproc::connect(self, self, to);
+            link.established(self.cfg.connect_timeout).await?;
+            return Ok(());
+        }
+        let info = self.peers.lock().get(&to).and_then(|e| e.info.clone());
+        let Some(info) = info else {
+            return Err(Failure::new(
+                Status::AddrError,
+                format!("no route to node {to}"),
+            ));
+        };
+        if self.cfg.channels.inproc {
+            if let (Some(hub), Some(their_hub)) = (&self.hub, info.hub) {
+                if hub.id() == their_hub {
+                    return match hub.lookup(to) {
+                        Lookup::Live(other) => {
+                            let link = inproc::connect(self, &other, to);
+                            link.established(self.cfg.connect_timeout).await.map(|_| ())
+                        }
+                        Lookup::Crashed => {
+                            tokio::time::sleep(self.cfg.connect_timeout).await;
+                            Err(Failure::new(
+                                Status::HostDead,
+                                format!("node {to} does not answer"),
+                            ))
+                        }
+                        Lookup::Absent => Err(Failure::new(
+                            Status::ProcDead,
+                            format!("node {to} is no longer in this process"),
+                        )),
+                    };
+                }
+            }
+        }
+        if self.cfg.channels.tcp {
+            if let Some(addr) = info
+                .addr
+                .as_deref()
+                .and_then(|a| a.parse::<SocketAddr>().ok())
+            {
+                let link = tcp::connect(self, addr, Some(to)).await?;
+                link.established(self.cfg.connect_timeout).await?;
+                return Ok(());
+            }
+        }
+        Err(Failure::new(
+            Status::AddrError,
+            format!("no enabled channel reaches node {to}"),
+        ))
+    }
+
+    fn connect_failed(self: &Arc<Self>, to: NodeId, failure: Failure) {
+        tracing::debug!(node = %self.cfg.node, peer = %to, %failure, "connect failed");
+        let queued = {
+            let mut peers = self.peers.lock();
+            let Some(entry) = peers.get_mut(&to) else {
+                return;
+            };
+            if !entry.links.iter().any(|l| !l.is_closed()) {
+                let step = entry.next_backoff.max(self.cfg.reconnect_backoff.0);
+                entry.next_backoff = (step * 2).min(self.cfg.reconnect_backoff.1);
+                entry.backoff = Some((Instant::now() + step, failure.clone()));
+            }
+            entry.connecting.take().unwrap_or_default()
+        };
+        self.fail_queued(queued, &failure);
+        if failure.status == Status::ProcDead && to != self.cfg.node {
+            self.declare_dead(to, Status::ProcDead, failure.detail.clone());
+        }
+    }
+
+    fn fail_queued(&self, queued: VecDeque<Frame>, failure: &Failure) {
+        for frame in queued {
+            if let Frame::Request(r) = frame {
+                self.calls.fail(r.call_id, failure.clone());
+            }
+        }
+    }
+
+    // ----- link events -----------------------------------------------------
+
+    pub(crate) fn link_up(self: &Arc<Self>, link: &Arc<Link>, peer: PeerRef) {
+        tracing::debug!(node = %self.cfg.node, peer = %peer.node, link = link.id,
+            channel = %link.kind(), "link up");
+        if peer.role == PeerRole::Client {
+            return;
+        }
+        let mut restarted = None;
+        let mut revived = false;
+        let (queued, stale) = {
+            let mut peers = self.peers.lock();
+            let entry = peers.entry(peer.node).or_default();
+            let mut stale = Vec::new();
+            match entry.incarnation {
+                Some(old) if old != peer.incarnation => {
+                    restarted = Some(old);
+                    stale = std::mem::take(&mut entry.links);
+                }
+                _ => {}
+            }
+            entry.incarnation = Some(peer.incarnation);
+            if restarted.is_some() {
+                entry.dead = None;
+            } else if entry.dead.is_some() && link.side == Side::Initiator {
+                // We reached it again ourselves: it is alive.
+                entry.dead = None;
+                revived = true;
+            }
+            entry.backoff = None;
+            entry.next_backoff = Duration::ZERO;
+            entry.links.push(Arc::clone(link));
+            let queued = if link.side == Side::Initiator || entry.links.len() == 1 {
+                entry.connecting.take().unwrap_or_default()
+            } else {
+                VecDeque::new()
+            };
+            (queued, stale)
+        };
+        for old in stale {
+            old.close(Status::ProcDead, "peer restarted");
+        }
+        if let Some(old) = restarted {
+            let f = Failure::new(Status::ProcDead, format!("node {} restarted", peer.node));
+            self.calls.fail_node(peer.node, &f);
+            self.emit(MembershipEvent::Left {
+                node: peer.node,
+                incarnation: Some(old),
+                cause: Status::ProcDead,
+                reason: "restarted with a new incarnation".into(),
+            });
+            if self.naming.lock().directory == Some(peer.node) {
+                // A restarted directory forgot us: join it again.
+                self.schedule_rejoin(Duration::ZERO);
+            }
+        }
+        if revived {
+            self.emit(MembershipEvent::Revived(peer.node));
+        }
+        for frame in queued {
+            let call_id = match &frame {
+                Frame::Request(r) => Some(r.call_id),
+                _ => None,
+            };
+            if let Some(id) = call_id {
+                self.calls.set_link(id, link.id);
+            }
+            if link.send(frame).is_err() {
+                if let Some(id) = call_id {
+                    self.calls
+                        .fail(id, Failure::new(Status::ProcDead, "link closed"));
+                }
+            }
+        }
+    }
+
+    pub(crate) fn link_down(
+        self: &Arc<Self>,
+        link: &Arc<Link>,
+        peer: Option<PeerRef>,
+        cause: Status,
+        reason: &str,
+    ) {
+        self.links.lock().remove(&link.id);
+        if matches!(
+            cause,
+            Status::WrongSecret
+                | Status::ProtocolError
+                | Status::Mismatch
+                | Status::Refused
+                | Status::TooLarge
+        ) {
+            let mut log = self.refusals.lock();
+            if log.len() == MAX_REFUSALS {
+                log.pop_front();
+            }
+            log.push_back(format!("{cause} on {}: {reason}", link.describe()));
+        }
+        let status = match cause {
+            Status::ShuttingDown | Status::Ok => Status::ProcDead,
+            s => s,
+        };
+        let f = Failure::new(status, format!("link closed: {reason}"));
+        self.calls.fail_link(link.id, &f);
+        let Some(peer) = peer else { return };
+        if peer.role == PeerRole::Client {
+            return;
+        }
+        tracing::debug!(node = %self.cfg.node, peer = %peer.node, link = link.id, %cause,
+            "link down: {reason}");
+        let reconnect = {
+            let mut peers = self.peers.lock();
+            match peers.get_mut(&peer.node) {
+                Some(entry) => {
+                    entry.links.retain(|l| l.id != link.id && !l.is_closed());
+                    entry.links.is_empty()
+                        && entry.dead.is_none()
+                        && link.kind() == ChannelKind::Tcp
+                        && !self.is_closing()
+                }
+                None => false,
+            }
+        };
+        if reconnect && cause != Status::ShuttingDown {
+            // The connection dropped without a goodbye: find out at once
+            // whether the process is still there (a refusal declares it dead).
+            let me = Arc::clone(self);
+            let node = peer.node;
+            self.spawn(async move {
+                if let Err(f) = me.connect_peer(node).await {
+                    me.connect_failed(node, f);
+                }
+            });
+        }
+    }
+
+    pub(crate) fn heard(self: &Arc<Self>, peer: PeerRef) {
+        if peer.role != PeerRole::Node || peer.node == self.cfg.node {
+            return;
+        }
+        let verdict = self.detector.lock().heard(peer.node, Instant::now());
+        if let Some(Verdict::Revived(node)) = verdict {
+            let was_dead = {
+                let mut peers = self.peers.lock();
+                peers
+                    .get_mut(&node)
+                    .map(|e| e.dead.take().is_some())
+                    .unwrap_or(false)
+            };
+            if was_dead {
+                self.emit(MembershipEvent::Revived(node));
+            }
+        }
+    }
+
+    pub(crate) fn on_request(self: &Arc<Self>, link: &Arc<Link>, peer: PeerRef, req: Request) {
+        let responder = Responder {
+            link: Arc::clone(link),
+            call_id: req.call_id,
+            done: false,
+        };
+        if peer.role == PeerRole::Node && req.node != self.cfg.node {
+            responder.fail(Failure::new(
+                Status::AddrError,
+                format!("this is node {}, not node {}", self.cfg.node, req.node),
+            ));
+            return;
+        }
+        let handler = self.handlers.read().request.clone();
+        match handler {
+            Some(h) => h.handle(peer, req, responder),
+            None => responder.fail(Failure::new(
+                Status::NoSuchService,
+                format!("node {} serves no requests", self.cfg.node),
+            )),
+        }
+    }
+
+    pub(crate) fn on_response(&self, _link: &Arc<Link>, peer: PeerRef, resp: Response) {
+        let id = resp.call_id;
+        if !self.calls.complete(id, peer.node, resp) {
+            tracing::trace!(node = %self.cfg.node, call = id, "late or unknown response dropped");
+        }
+    }
+
+    pub(crate) fn on_message(&self, peer: PeerRef, msg: Message) {
+        let _ = self.inbox.send((peer, msg));
+    }
+
+    pub(crate) fn on_goodbye(self: &Arc<Self>, peer: PeerRef, reason: &str) {
+        if peer.role != PeerRole::Node {
+            return;
+        }
+        self.detector.lock().unwatch(peer.node);
+        let newly = {
+            let mut peers = self.peers.lock();
+            match peers.get_mut(&peer.node) {
+                Some(e) if e.dead.is_none() && e.incarnation == Some(peer.incarnation) => {
+                    e.dead = Some((Status::ProcDead, format!("left the cluster ({reason})")));
+                    true
+                }
+                _ => false,
+            }
+        };
+        if newly {
+            let f = Failure::new(
+                Status::ProcDead,
+                format!("node {} left the cluster", peer.node),
+            );
+            self.calls.fail_node(peer.node, &f);
+            self.emit(MembershipEvent::Left {
+                node: peer.node,
+                incarnation: Some(peer.incarnation),
+                cause: Status::Ok,
+                reason: reason.to_string(),
+            });
+        }
+    }
+
+    /// Declares `node` dead: fails its calls and queued frames, tells the
+    /// listeners and, on the directory, every member.
+    fn declare_dead(self: &Arc<Self>, node: NodeId, status: Status, reason: String) {
+        if node == self.cfg.node {
+            return;
+        }
+        self.detector.lock().declare_dead(node);
+        let (queued, incarnation) = {
+            let mut peers = self.peers.lock();
+            let entry = peers.entry(node).or_default();
+            if entry.dead.is_some() {
+                return;
+            }
+            entry.dead = Some((status, reason.clone()));
+            (
+                entry.connecting.take().unwrap_or_default(),
+                entry.incarnation,
+            )
+        };
+        tracing::info!(node = %self.cfg.node, peer = %node, %status, "peer declared dead: {reason}");
+        let f = Failure::new(status, format!("node {node} is dead: {reason}"));
+        self.fail_queued(queued, &f);
+        self.calls.fail_node(node, &f);
+        self.emit(MembershipEvent::Left {
+            node,
+            incarnation,
+            cause: status,
+            reason,
+        });
+        let am_directory = self.naming.lock().directory == Some(self.cfg.node);
+        if am_directory {
+            if let Some(inc) = incarnation {
+                self.broadcast(
+                    NamingMsg::Left {
+                        node,
+                        incarnation: inc,
+                        cause: status,
+                    },
+                    Some(node),
+                );
+            }
+        } else if self.naming.lock().directory == Some(node) {
+            self.schedule_rejoin(self.cfg.dead_after);
+        }
+    }
+
+    // ----- tasks -----------------------------------------------------------
+
+    async fn inbox_task(
+        weak: std::sync::Weak<Inner>,
+        mut rx: mpsc::UnboundedReceiver<(PeerRef, Message)>,
+    ) {
+        while let Some((peer, msg)) = rx.recv().await {
+            let Some(inner) = weak.upgrade() else { return };
+            if inner.is_crashed() {
+                return;
+            }
+            if msg.port == Port::NAMING {
+                match msg.payload.decode::<NamingMsg>() {
+                    Ok(m) => inner.on_naming(peer, m),
+                    Err(e) => tracing::warn!(peer = %peer.node, "bad naming message: {e}"),
+                }
+                continue;
+            }
+            let handler = inner.handlers.read().ports.get(&msg.port).cloned();
+            match handler {
+                Some(h) => h.on_message(peer, msg.payload),
+                None => tracing::debug!(port = msg.port.0, "message for a port with no handler"),
+            }
+        }
+    }
+
+    async fn detector_task(weak: std::sync::Weak<Inner>) {
+        let period = {
+            let Some(inner) = weak.upgrade() else { return };
+            (inner.cfg.heartbeat_interval / 2).max(Duration::from_millis(1))
+        };
+        let mut ticker = tokio::time::interval(period);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let Some(inner) = weak.upgrade() else { return };
+            if inner.is_crashed() || inner.is_closing() {
+                return;
+            }
+            let now = Instant::now();
+            let verdicts = inner.detector.lock().tick(now);
+            for v in verdicts {
+                match v {
+                    Verdict::Probe(node, seq) => {
+                        let hb = Frame::Heartbeat(weft_wire::Heartbeat { seq, reply: false });
+                        let _ = inner.send_frame(node, hb, true);
+                    }
+                    Verdict::Dead(node) => {
+                        let reason = format!("no frame for {:?}", inner.cfg.dead_after);
+                        inner.declare_dead(node, Status::HostDead, reason);
+                    }
+                    Verdict::Revived(_) => {}
+                }
+            }
+            let rejoin = {
+                let mut naming = inner.naming.lock();
+                match (naming.rejoin_at, naming.seed.clone()) {
+                    (Some(at), Some(seed)) if now >= at => {
+                        naming.rejoin_at =
+                            Some(now + inner.cfg.dead_after.max(Duration::from_millis(500)));
+                        Some(seed)
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(seed) = rejoin {
+                let me = Arc::clone(&inner);
+                inner.spawn(async move {
+                    match me.join_via(seed).await {
+                        Ok(()) => tracing::info!(node = %me.cfg.node, "re-joined the cluster"),
+                        Err(f) => tracing::debug!(node = %me.cfg.node, %f, "re-join failed"),
+                    }
+                });
+            }
+        }
+    }
+
+    // ----- naming ----------------------------------------------------------
+
+    fn schedule_rejoin(&self, after: Duration) {
+        let mut naming = self.naming.lock();
+        if naming.seed.is_some() {
+            naming.rejoin_at = Some(Instant::now() + after);
+        }
+    }
+
+    async fn join_via(self: &Arc<Self>, seed: Seed) -> Result<(), Failure> {
+        let mut seed = seed;
+        for _hop in 0..4 {
+            let peer = match &seed {
+                Seed::Tcp(addr) => {
+                    let link = tcp::connect(self, *addr, None).await?;
+                    link.established(self.cfg.connect_timeout).await?.node
+                }
+                Seed::Inproc(node) => {
+                    let hub = self.hub.clone().ok_or_else(|| {
+                        Failure::new(Status::AddrError, "no in-process hub configured")
+                    })?;
+                    match hub.lookup(*node) {
+                        Lookup::Live(other) => {
+                            let link = inproc::connect(self, &other, *node);
+                            link.established(self.cfg.connect_timeout).await?.node
+                        }
+                        Lookup::Crashed => {
+                            return Err(Failure::new(
+                                Status::HostDead,
+                                format!("seed node {node} does not answer"),
+                            ))
+                        }
+                        Lookup::Absent => {
+                            return Err(Failure::new(
+                                Status::ProcDead,
+                                format!("no node {node} in this process"),
+                            ))
+                        }
+                    }
+                }
+            };
+            let (tx, rx) = oneshot::channel();
+            self.naming.lock().pending_join = Some(tx);
+            let info = self.me.read().clone();
+            self.send_frame(peer, naming_frame(NamingMsg::Join { info }), false)?;
+            let reply = tokio::time::timeout(self.cfg.connect_timeout * 2, rx).await;
+            match reply {
+                Ok(Ok(NamingMsg::Welcome {
+                    directory,
+                    members,
+                    dead,
+                })) => {
+                    {
+                        let mut naming = self.naming.lock();
+                        naming.directory = Some(directory);
+                        naming.rejoin_at = None;
+                    }
+                    self.me.write().directory = directory == self.cfg.node;
+                    for m in members {
+                        self.upsert_member(m);
+                    }
+                    for (node, status) in dead {
+                        self.declare_dead(node, status, "dead according to the directory".into());
+                    }
+                    tracing::info!(node = %self.cfg.node, %directory, "joined the cluster");
+                    return Ok(());
+                }
+                Ok(Ok(NamingMsg::Redirect { directory })) => {
+                    let id = directory.id;
+                    seed = match directory.addr.as_deref().and_then(|a| a.parse().ok()) {
+                        Some(addr)
+                            if directory.hub != self.me.read().hub || !self.cfg.channels.inproc =>
+                        {
+                            Seed::Tcp(addr)
+                        }
+                        _ => Seed::Inproc(id),
+                    };
+                    self.upsert_member(directory);
+                }
+                Ok(Ok(NamingMsg::JoinRefused { status, reason })) => {
+                    return Err(Failure::new(status, format!("join refused: {reason}")))
+                }
+                Ok(Ok(other)) => {
+                    return Err(Failure::new(
+                        Status::ProtocolError,
+                        format!("unexpected answer to join: {other:?}"),
+                    ))
+                }
+                Ok(Err(_)) => return Err(Failure::new(Status::Internal, "join abandoned")),
+                Err(_) => {
+                    return Err(Failure::new(
+                        Status::TimedOut,
+                        "the directory did not answer",
+                    ))
+                }
+            }
+        }
+        Err(Failure::new(
+            Status::AddrError,
+            "too many redirects while joining",
+        ))
+    }
+
+    /// Records what a member announced; detects restarts.
+    fn upsert_member(self: &Arc<Self>, info: NodeInfo) {
+        if info.id == self.cfg.node {
+            return;
+        }
+        let id = info.id;
+        let (event_left, event_joined, stale) = {
+            let mut peers = self.peers.lock();
+            let entry = peers.entry(id).or_default();
+            let mut left = None;
+            let mut stale = Vec::new();
+            let known = entry.info.as_ref().map(|i| i.incarnation);
+            if let Some(old) = entry.incarnation.filter(|old| *old != info.incarnation) {
+                if old < info.incarnation || entry.links.is_empty() {
+                    left = Some(old);
+                    stale = std::mem::take(&mut entry.links);
+                }
+            }
+            let joined = known != Some(info.incarnation) || entry.dead.is_some();
+            if joined {
+                entry.dead = None;
+                entry.backoff = None;
+            }
+            entry.incarnation = Some(info.incarnation);
+            entry.info = Some(info.clone());
+            (left, joined, stale)
+        };
+        self.naming.lock().members.insert(id, info.clone());
+        self.detector.lock().watch(id, Instant::now());
+        for l in stale {
+            l.close(Status::ProcDead, "peer restarted");
+        }
+        if let Some(old) = event_left {
+            let f = Failure::new(Status::ProcDead, format!("node {id} restarted"));
+            self.calls.fail_node(id, &f);
+            self.emit(MembershipEvent::Left {
+                node: id,
+                incarnation: Some(old),
+                cause: Status::ProcDead,
+                reason: "restarted with a new incarnation".into(),
+            });
+        }
+        if event_joined {
+            self.emit(MembershipEvent::Joined(info));
+        }
+    }
+
+    fn broadcast(self: &Arc<Self>, msg: NamingMsg, except: Option<NodeId>) {
+        let targets: Vec<NodeId> = {
+            let naming = self.naming.lock();
+            naming
+                .members
+                .keys()
+                .copied()
+                .filter(|n| *n != self.cfg.node && Some(*n) != except)
+                .collect()
+        };
+        for n in targets {
+            let _ = self.send_frame(n, naming_frame(msg.clone()), false);
+        }
+    }
+
+    fn announce_self(self: &Arc<Self>, info: NodeInfo) {
+        let directory = self.naming.lock().directory;
+        match directory {
+            Some(d) if d == self.cfg.node => {
+                self.naming.lock().members.insert(info.id, info.clone());
+                self.broadcast(NamingMsg::Update { info }, None);
+            }
+            Some(d) => {
+                let _ = self.send_frame(d, naming_frame(NamingMsg::Update { info }), false);
+            }
+            None => {}
+        }
+    }
+
+    fn reply(self: &Arc<Self>, to: NodeId, msg: NamingMsg) {
+        if let Err(f) = self.send_frame(to, naming_frame(msg), false) {
+            tracing::debug!(peer = %to, %f, "naming reply not sent");
+        }
+    }
+
+    fn on_naming(self: &Arc<Self>, peer: PeerRef, msg: NamingMsg) {
+        let directory = self.naming.lock().directory;
+        let am_directory = directory == Some(self.cfg.node);
+        match msg {
+            NamingMsg::Join { info } => {
+                if !am_directory {
+                    let dir_info =
+                        directory.and_then(|d| self.naming.lock().members.get(&d).cloned());
+                    match dir_info {
+                        Some(d) => self.reply(peer.node, NamingMsg::Redirect { directory: d }),
+                        None => self.reply(
+                            peer.node,
+                            NamingMsg::JoinRefused {
+                                status: Status::Unavailable,
+                                reason: "this node knows no directory".into(),
+                            },
+                        ),
+                    }
+                    return;
+                }
+                if info.id != peer.node || info.incarnation != peer.incarnation {
+                    self.reply(
+                        peer.node,
+                        NamingMsg::JoinRefused {
+                            status: Status::Mismatch,
+                            reason: format!(
+                                "join for node {} arrived from node {}",
+                                info.id, peer.node
+                            ),
+                        },
+                    );
+                    return;
+                }
+                let existing = {
+                    let naming = self.naming.lock();
+                    naming.members.get(&info.id).cloned()
+                };
+                let alive = self
+                    .peers
+                    .lock()
+                    .get(&info.id)
+                    .is_some_and(|e| e.dead.is_none());
+                if let Err(reason) = admission(existing.as_ref().map(|i| (i, alive)), &info) {
+                    tracing::warn!(node = %self.cfg.node, "refused join: {reason}");
+                    self.reply(
+                        peer.node,
+                        NamingMsg::JoinRefused {
+                            status: Status::Refused,
+                            reason,
+                        },
+                    );
+                    return;
+                }
+                self.upsert_member(info.clone());
+                let (members, dead) = {
+                    let naming = self.naming.lock();
+                    let peers = self.peers.lock();
+                    let members: Vec<NodeInfo> = naming.members.values().cloned().collect();
+                    let dead = members
+                        .iter()
+                        .filter_map(|m| {
+                            peers
+                                .get(&m.id)
+                                .and_then(|e| e.dead.as_ref())
+                                .map(|(s, _)| (m.id, *s))
+                        })
+                        .collect();
+                    (members, dead)
+                };
+                tracing::info!(node = %self.cfg.node, joiner = %info.id, "admitted a member");
+                self.reply(
+                    peer.node,
+                    NamingMsg::Welcome {
+                        directory: self.cfg.node,
+                        members,
+                        dead,
+                    },
+                );
+                self.broadcast(NamingMsg::Update { info }, Some(peer.node));
+            }
+            NamingMsg::Welcome { .. }
+            | NamingMsg::JoinRefused { .. }
+            | NamingMsg::Redirect { .. } => {
+                if let Some(tx) = self.naming.lock().pending_join.take() {
+                    let _ = tx.send(msg);
+                }
+            }
+            NamingMsg::Update { info } => {
+                if am_directory {
+                    if info.id != peer.node {
+                        return; // only a member may update itself
+                    }
+                    self.upsert_member(info.clone());
+                    self.broadcast(NamingMsg::Update { info }, Some(peer.node));
+                } else if Some(peer.node) == directory || info.id == peer.node {
+                    self.upsert_member(info);
+                }
+            }
+            NamingMsg::Left {
+                node,
+                incarnation,
+                cause,
+            } => {
+                if node == self.cfg.node {
+                    if incarnation == self.cfg.incarnation && cause != Status::Ok {
+                        // The directory believes we are dead: join again.
+                        self.schedule_rejoin(Duration::ZERO);
+                    }
+                    return;
+                }
+                let current = self.peers.lock().get(&node).and_then(|e| e.incarnation);
+                if current.is_some_and(|c| c != incarnation) {
+                    return; // about an older incarnation
+                }
+                if cause == Status::Ok {
+                    self.naming.lock().members.remove(&node);
+                    self.detector.lock().unwatch(node);
+                    let newly = {
+                        let mut peers = self.peers.lock();
+                        let e = peers.entry(node).or_default();
+                        let newly = e.dead.is_none();
+                        e.dead = Some((Status::ProcDead, "left the cluster".into()));
+                        newly
+                    };
+                    if newly {
+                        let f = Failure::new(Status::ProcDead, format!("node {node} left"));
+                        self.calls.fail_node(node, &f);
+                        self.emit(MembershipEvent::Left {
+                            node,
+                            incarnation: Some(incarnation),
+                            cause: Status::Ok,
+                            reason: "left the cluster".into(),
+                        });
+                    }
+                } else {
+                    self.declare_dead(node, cause, "declared dead by the directory".into());
+                }
+            }
+            NamingMsg::Leave { node, incarnation } => {
+                if !am_directory || node != peer.node {
+                    return;
+                }
+                self.naming.lock().members.remove(&node);
+                self.detector.lock().unwatch(node);
+                {
+                    let mut peers = self.peers.lock();
+                    let e = peers.entry(node).or_default();
+                    e.dead = Some((Status::ProcDead, "left the cluster".into()));
+                }
+                self.emit(MembershipEvent::Left {
+                    node,
+                    incarnation: Some(incarnation),
+                    cause: Status::Ok,
+                    reason: "left the cluster".into(),
+                });
+                self.broadcast(
+                    NamingMsg::Left {
+                        node,
+                        incarnation,
+                        cause: Status::Ok,
+                    },
+                    Some(node),
+                );
+            }
+        }
+    }
+
+    fn view(&self) -> ClusterView {
+        let naming = self.naming.lock();
+        let peers = self.peers.lock();
+        let mut nodes = Vec::new();
+        for info in naming.members.values() {
+            let (alive, cause, channel, route) = if info.id == self.cfg.node {
+                (true, None, None, None)
+            } else {
+                match peers.get(&info.id) {
+                    Some(e) => {
+                        let link = e.links.iter().find(|l| !l.is_closed());
+                        (
+                            e.dead.is_none(),
+                            e.dead.as_ref().map(|(s, _)| *s),
+                            link.map(|l| l.kind()),
+                            link.map(|l| l.describe()),
+                        )
+                    }
+                    None => (true, None, None, None),
+                }
+            };
+            let info = if info.id == self.cfg.node {
+                self.me.read().clone()
+            } else {
+                info.clone()
+            };
+            nodes.push(NodeStatus {
+                info,
+                alive,
+                cause,
+                channel,
+                route,
+            });
+        }
+        ClusterView {
+            node: self.cfg.node,
+            directory: naming.directory,
+            nodes,
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! The link handshake as a pure state machine: Hello both ways, then proofs of
+//! the cluster secret (see `docs/wire.md`, "Link handshake").
+//!
+//! Owns the decision to trust a link. Must never let a frame other than Hello,
+//! Auth or Refused through before both proofs are verified, and never do I/O:
+//! it returns the frames to send.
+
+use weft_wire::{auth, Auth, Frame, Hello, NodeId, PeerRole, Refused, Status};
+
+/// Which end of the link this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// Opened the connection; speaks first.
+    Initiator,
+    /// Accepted the connection.
+    Acceptor,
+}
+
+/// What the handshake wants done.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Step {
+    /// Send this frame to the peer.
+    Send(Frame),
+    /// The peer is authenticated; its Hello.
+    Established(Hello),
+    /// The handshake failed; close the link.
+    Fail(Status, String),
+}
+
+/// Handshake state of one link.
+pub(crate) struct Handshake {
+    side: Side,
+    own: Hello,
+    secret: std::sync::Arc<[u8]>,
+    expected_peer: Option<NodeId>,
+    accept_clients: bool,
+    peer: Option<Hello>,
+    done: bool,
+    failed: bool,
+}
+
+impl Handshake {
+    /// A handshake for one link end. `expected_peer` is the node an initiator
+    /// meant to reach (a different node answering is a Mismatch);
+    /// `accept_clients` lets an acceptor admit non-member clients.
+    pub(crate) fn new(
+        side: Side,
+        own: Hello,
+        secret: std::sync::Arc<[u8]>,
+        expected_peer: Option<NodeId>,
+        accept_clients: bool,
+    ) -> Self {
+        Handshake {
+            side,
+            own,
+            secret,
+            expected_peer,
+            accept_clients,
+            peer: None,
+            done: false,
+            failed: false,
+        }
+    }
+
+    /// The first frames to send: the initiator's Hello, nothing for an acceptor.
+    pub(crate) fn start(&self) -> Vec<Step> {
+        match self.side {
+            Side::Initiator => vec![Step::Send(Frame::Hello(self.own.clone()))],
+            Side::Acceptor => Vec::new(),
+        }
+    }
+
+    /// True once the peer is authenticated.
+    #[cfg(test)]
+    pub(crate) fn is_done(&self) -> bool {
+        self.done
+    }
+
+    fn fail(&mut self, status: Status, reason: String, tell_peer: bool) -> Vec<Step> {
+        self.failed = true;
+        let mut out = Vec::new();
+        if tell_peer {
+            out.push(Step::Send(Frame::Refused(Refused {
+                status,
+                reason: reason.clone(),
+            })));
+        }
+        out.push(Step::Fail(status, reason));
+        out
+    }
+
+    fn check_hello(&self, h: &Hello) -> Result<(), (Status, String)> {
+        match h.role {
+            PeerRole::Node if h.node.is_client() => {
+                return Err((
+                    Status::ProtocolError,
+                    "a member cannot use node id 0".into(),
+                ))
+            }
+            PeerRole::Client if !(self.side == Side::Acceptor && self.accept_clients) => {
+                return Err((Status::Refused, "this end does not accept clients".into()))
+            }
+            _ => {}
+        }
+        if (h.max_frame as usize) < weft_wire::codec::MIN_MAX_FRAME {
+            return Err((
+                Status::ProtocolError,
+                format!("max frame {} is too small", h.max_frame),
+            ));
+        }
+        if let Some(want) = self.expected_peer {
+            if h.node != want {
+                return Err((
+                    Status::Mismatch,
+                    format!(
+                        "expected node {want} at this address, found node {}",
+                        h.node
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Feeds one received frame; returns what to do.
+    pub(crate) fn on_frame(&mut self, frame: Frame) -> Vec<Step> {
+        if self.failed {
+            return Vec::new(); // the link is closing; nothing more to say
+        }
+        if self.done {
+            return self.fail(
+                Status::ProtocolError,
+                "handshake frame after handshake".into(),
+                true,
+            );
+        }
+        match frame {
+            Frame::Refused(r) => {
+                let reason = format!("refused by peer: {}", r.reason);
+                self.fail(r.status, reason, false)
+            }
+            Frame::Hello(h) => {
+                if self.peer.is_some() {
+                    return self.fail(Status::ProtocolError, "second Hello".into(), true);
+                }
+                if let Err((status, reason)) = self.check_hello(&h) {
+                    return self.fail(status, reason, true);
+                }
+                let proof = auth::proof(&self.secret, &self.own, &h.nonce);
+                self.peer = Some(h);
+                match self.side {
+                    // The acceptor answers with its Hello and its proof at once.
+                    Side::Acceptor => vec![
+                        Step::Send(Frame::Hello(self.own.clone())),
+                        Step::Send(Frame::Auth(Auth { proof })),
+                    ],
+                    // The initiator proves itself only after the acceptor has.
+                    Side::Initiator => Vec::new(),
+                }
+            }
+            Frame::Auth(a) => {
+                let Some(peer) = self.peer.clone() else {
+                    return self.fail(Status::ProtocolError, "Auth before Hello".into(), true);
+                };
+                if !auth::verify(&self.secret, &peer, &self.own.nonce, &a.proof) {
+                    let who = match peer.role {
+                        PeerRole::Node => format!("node {}", peer.node),
+                        PeerRole::Client => "client".to_string(),
+                    };
+                    return self.fail(
+                        Status::WrongSecret,
+                        format!("{who} presented a wrong cluster secret"),
+                        true,
+                    );
+                }
+                self.done = true;
+                let mut out = Vec::new();
+                if self.side == Side::Initiator {
+                    let proof = auth::proof(&self.secret, &self.own, &peer.nonce);
+                    out.push(Step::Send(Frame::Auth(Auth { proof })));
+                }
+                out.push(Step::Established(peer));
+                out
+            }
+            other => self.fail(
+                Status::ProtocolError,
+                format!("{:?} frame before the handshake completed", other.kind()),
+                true,
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_wire::Incarnation;
+
+    fn hello(node: u32, role: PeerRole, nonce: u8) -> Hello {
+        Hello {
+            node: NodeId(node),
+            incarnation: Incarnation(1),
+            role,
+            nonce: [nonce; 16],
+            max_frame: 1 << 20,
+            max_message: 1 << 26,
+        }
+    }
+
+    fn pair(sa: &[u8], sb: &[u8]) -> (Handshake, Handshake) {
+        let a = Handshake::new(
+            Side::Initiator,
+            hello(1, PeerRole::Node, 1),
+            sa.into(),
+            Some(NodeId(2)),
+            false,
+        );
+        let b = Handshake::new(
+            Side::Acceptor,
+            hello(2, PeerRole::Node, 2),
+            sb.into(),
+            None,
+            true,
+        );
+        (a, b)
+    }
+
+    /// Runs both ends to completion, returning each end's non-send steps.
+    fn run(mut a: Handshake, mut b: Handshake) -> (Vec<Step>, Vec<Step>) {
+        let mut to_b: Vec<Frame> = Vec::new();
+        let mut to_a: Vec<Frame> = Vec::new();
+        let (mut out_a, mut out_b) = (Vec::new(), Vec::new());
+        let route = |steps: Vec<Step>, q: &mut Vec<Frame>, out: &mut Vec<Step>| {
+            for s in steps {
+                match s {
+                    Step::Send(f) => q.push(f),
+                    other => out.push(other),
+                }
+            }
+        };
+        route(a.start(), &mut to_b, &mut out_a);
+        while !to_a.is_empty() || !to_b.is_empty() {
+            for f in std::mem::take(&mut to_b) {
+                route(b.on_frame(f), &mut to_a, &mut out_b);
+            }
+            for f in std::mem::take(&mut to_a) {
+                route(a.on_frame(f), &mut to_b, &mut out_a);
+            }
+        }
+        (out_a, out_b)
+    }
+
+    #[test]
+    fn same_secret_establishes_both_ends() {
+        let (a, b) = pair(b"s", b"s");
+        let (out_a, out_b) = run(a, b);
+        assert!(matches!(&out_a[..], [Step::Established(h)] if h.node == NodeId(2)));
+        assert!(matches!(&out_b[..], [Step::Established(h)] if h.node == NodeId(1)));
+    }
+
+    #[test]
+    fn wrong_secret_is_refused_on_both_sides() {
+        let (a, b) = pair(b"right", b"wrong");
+        let (out_a, out_b) = run(a, b);
+        assert!(
+            matches!(&out_a[..], [Step::Fail(Status::WrongSecret, _)]),
+            "{out_a:?}"
+        );
+        assert!(
+            matches!(&out_b[..], [Step::Fail(Status::WrongSecret, _)]),
+            "{out_b:?}"
+        );
+    }
+
+    #[test]
+    fn data_before_auth_is_a_protocol_error() {
+        let (_, mut b) = pair(b"s", b"s");
+        let steps = b.on_frame(Frame::Heartbeat(weft_wire::Heartbeat {
+            seq: 1,
+            reply: false,
+        }));
+        assert!(matches!(
+            steps.last(),
+            Some(Step::Fail(Status::ProtocolError, _))
+        ));
+        assert!(!b.is_done());
+    }
+
+    #[test]
+    fn unexpected_node_is_a_mismatch() {
+        let a = Handshake::new(
+            Side::Initiator,
+            hello(1, PeerRole::Node, 1),
+            b"s"[..].into(),
+            Some(NodeId(9)),
+            false,
+        );
+        let b = Handshake::new(
+            Side::Acceptor,
+            hello(2, PeerRole::Node, 2),
+            b"s"[..].into(),
+            None,
+            true,
+        );
+        let (out_a, out_b) = run(a, b);
+        assert!(
+            matches!(&out_a[..], [Step::Fail(Status::Mismatch, _)]),
+            "{out_a:?}"
+        );
+        assert!(
+            matches!(&out_b[..], [Step::Fail(Status::Mismatch, _)]),
+            "{out_b:?}"
+        );
+    }
+
+    #[test]
+    fn clients_only_where_accepted() {
+        let a = Handshake::new(
+            Side::Initiator,
+            hello(0, PeerRole::Client, 1),
+            b"s"[..].into(),
+            None,
+            false,
+        );
+        let b = Handshake::new(
+            Side::Acceptor,
+            hello(2, PeerRole::Node, 2),
+            b"s"[..].into(),
+            None,
+            false,
+        );
+        let (_, out_b) = run(a, b);
+        assert!(
+            matches!(&out_b[..], [Step::Fail(Status::Refused, _)]),
+            "{out_b:?}"
+        );
+    }
+}

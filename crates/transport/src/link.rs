@@ -1,0 +1,398 @@
+//! A link: one authenticated, bidirectional frame pipe between this node and
+//! one peer, over any channel.
+//!
+//! Owns the per-link state (handshake, peer identity, fragment reassembly) and
+//! the fault verdict applied to every frame it sends. Must never hold its own
+//! lock while handing a frame to the channel or to the endpoint: a channel may
+//! deliver synchronously into the peer, which may answer synchronously.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+
+use parking_lot::Mutex;
+use weft_wire::{Frame, Hello, Incarnation, NodeId, PeerRole, Reassembler, Status};
+
+use crate::channel::{ChannelKind, IoError, LinkIo};
+use crate::endpoint::Inner;
+use crate::fault::FaultPlan;
+use crate::handshake::{Handshake, Side, Step};
+
+/// Who is at the other end of an established link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerRef {
+    /// The peer's node id ([`NodeId::CLIENT`] for a client).
+    pub node: NodeId,
+    /// The peer's incarnation.
+    pub incarnation: Incarnation,
+    /// Member or client.
+    pub role: PeerRole,
+    /// The link's id on this node.
+    pub link: u64,
+    /// The medium.
+    pub channel: ChannelKind,
+}
+
+enum State {
+    Handshaking(Box<Handshake>),
+    Up(PeerRef),
+    Closed,
+}
+
+/// Where a link is in its life, as watched by whoever waits for it.
+#[derive(Clone, Debug)]
+pub(crate) enum Phase {
+    Handshaking,
+    Up(PeerRef),
+    Closed(Status, String),
+}
+
+/// One end of a link.
+pub(crate) struct Link {
+    pub(crate) id: u64,
+    pub(crate) side: Side,
+    kind: ChannelKind,
+    io: OnceLock<Arc<dyn LinkIo>>,
+    ep: Weak<Inner>,
+    state: Mutex<State>,
+    reassembler: Mutex<Reassembler>,
+    /// The node this link is meant to reach (initiator) or that it turned
+    /// out to reach (after the peer's Hello); used for fault verdicts.
+    peer_hint: Mutex<Option<NodeId>>,
+    fault: Option<(Arc<FaultPlan>, NodeId)>,
+    closed: AtomicBool,
+    /// Set when this end decided to fail the link, so that a close triggered
+    /// by the peer while we tell it why still reports our reason.
+    failing: Mutex<Option<(Status, String)>>,
+    phase: tokio::sync::watch::Sender<Phase>,
+}
+
+impl Link {
+    /// A link end in the handshaking state. The channel must call
+    /// [`Link::attach`] before any frame flows.
+    pub(crate) fn new(
+        ep: &Arc<Inner>,
+        side: Side,
+        kind: ChannelKind,
+        expected_peer: Option<NodeId>,
+    ) -> Arc<Link> {
+        let own = ep.own_hello();
+        let hs = Handshake::new(
+            side,
+            own,
+            ep.secret.clone(),
+            expected_peer,
+            ep.cfg.role == PeerRole::Node,
+        );
+        Arc::new(Link {
+            id: ep.next_link_id(),
+            side,
+            kind,
+            io: OnceLock::new(),
+            ep: Arc::downgrade(ep),
+            state: Mutex::new(State::Handshaking(Box::new(hs))),
+            reassembler: Mutex::new(Reassembler::new(ep.cfg.limits)),
+            peer_hint: Mutex::new(expected_peer),
+            fault: ep.cfg.fault.clone().map(|f| (f, ep.cfg.node)),
+            closed: AtomicBool::new(false),
+            failing: Mutex::new(None),
+            phase: tokio::sync::watch::channel(Phase::Handshaking).0,
+        })
+    }
+
+    /// Connects the link to its medium.
+    pub(crate) fn attach(&self, io: Arc<dyn LinkIo>) {
+        if self.io.set(io).is_err() {
+            debug_assert!(false, "link {} attached twice", self.id);
+        }
+    }
+
+    /// Starts the handshake (sends the initiator's Hello).
+    pub(crate) fn start(self: &Arc<Self>) {
+        let steps = match &*self.state.lock() {
+            State::Handshaking(hs) => hs.start(),
+            _ => Vec::new(),
+        };
+        self.run_steps(steps);
+    }
+
+    /// Waits until the handshake completes or fails, up to `timeout`.
+    ///
+    /// Fails with the handshake's status (WrongSecret, Mismatch,
+    /// ProtocolError...), ProcDead when the medium closed, or HostDead when the
+    /// peer did not answer in time (the link is then closed).
+    pub(crate) async fn established(
+        self: &Arc<Self>,
+        timeout: std::time::Duration,
+    ) -> Result<PeerRef, weft_wire::Failure> {
+        let mut rx = self.phase.subscribe();
+        let waited =
+            tokio::time::timeout(timeout, rx.wait_for(|p| !matches!(p, Phase::Handshaking))).await;
+        match waited {
+            Ok(Ok(phase)) => match &*phase {
+                Phase::Up(p) => Ok(*p),
+                Phase::Closed(status, reason) => {
+                    Err(weft_wire::Failure::new(*status, reason.clone()))
+                }
+                Phase::Handshaking => unreachable!("waited for a later phase"),
+            },
+            Ok(Err(_)) => Err(weft_wire::Failure::new(Status::Internal, "link dropped")),
+            Err(_) => {
+                let reason = format!("no handshake answer within {timeout:?}");
+                self.close(Status::HostDead, &reason);
+                Err(weft_wire::Failure::new(Status::HostDead, reason))
+            }
+        }
+    }
+
+    /// The channel kind.
+    pub(crate) fn kind(&self) -> ChannelKind {
+        self.kind
+    }
+
+    /// True once the link is closed.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// A description of the medium for status output.
+    pub(crate) fn describe(&self) -> String {
+        self.io
+            .get()
+            .map(|io| io.describe())
+            .unwrap_or_else(|| self.kind.to_string())
+    }
+
+    /// Sends a frame to the peer, applying the fault plan.
+    ///
+    /// Fails with [`IoError::Closed`] when the link is closed.
+    pub(crate) fn send(self: &Arc<Self>, frame: Frame) -> Result<(), IoError> {
+        if self.is_closed() {
+            return Err(IoError::Closed);
+        }
+        let Some(io) = self.io.get() else {
+            return Err(IoError::Closed);
+        };
+        if let Some(ep) = self.ep.upgrade() {
+            if ep.is_crashed() {
+                return Ok(()); // a crashed node sends nothing, silently
+            }
+            ep.stats.count_sent(frame.kind());
+        }
+        let Some((plan, me)) = &self.fault else {
+            return io.send(frame);
+        };
+        let Some(peer) = *self.peer_hint.lock() else {
+            return io.send(frame);
+        };
+        let verdict = plan.decide(*me, peer, frame.kind());
+        let n = verdict.deliveries.len();
+        if n == 0 {
+            return Ok(()); // dropped: the sender cannot tell, as on a real network
+        }
+        let mut frame = Some(frame);
+        for (i, delay) in verdict.deliveries.into_iter().enumerate() {
+            let copy = if i + 1 == n {
+                frame.take().expect("one frame per delivery")
+            } else {
+                match frame.as_ref().expect("frame kept for copies").try_clone() {
+                    Ok(f) => f,
+                    Err(e) => return Err(IoError::Encode(e.to_string())),
+                }
+            };
+            if delay.is_zero() {
+                io.send(copy)?;
+            } else {
+                let link = Arc::clone(self);
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    if let Some(io) = link.io.get() {
+                        let _ = io.send(copy);
+                    }
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes the link: tells the medium and the endpoint. Idempotent.
+    pub(crate) fn close(self: &Arc<Self>, cause: Status, reason: &str) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let failing = self.failing.lock().take();
+        let (cause, reason) = match &failing {
+            Some((s, r)) => (*s, r.as_str()),
+            None => (cause, reason),
+        };
+        let peer = match std::mem::replace(&mut *self.state.lock(), State::Closed) {
+            State::Up(p) => Some(p),
+            _ => None,
+        };
+        self.phase
+            .send_replace(Phase::Closed(cause, reason.to_string()));
+        if let Some(io) = self.io.get() {
+            io.close();
+        }
+        if let Some(ep) = self.ep.upgrade() {
+            ep.link_down(self, peer, cause, reason);
+        }
+    }
+
+    /// Called by the channel when the medium closed under the link (EOF,
+    /// reset, peer gone).
+    pub(crate) fn on_closed(self: &Arc<Self>, reason: &str) {
+        self.close(Status::ProcDead, reason);
+    }
+
+    /// Called by the channel for every frame received.
+    pub(crate) fn on_frame(self: &Arc<Self>, frame: Frame) {
+        let Some(ep) = self.ep.upgrade() else { return };
+        if ep.is_crashed() || self.is_closed() {
+            return;
+        }
+        let mut state = self.state.lock();
+        match &mut *state {
+            State::Closed => {}
+            State::Handshaking(hs) => {
+                if let Frame::Hello(h) = &frame {
+                    if h.role == PeerRole::Node {
+                        *self.peer_hint.lock() = Some(h.node);
+                    }
+                }
+                let steps = hs.on_frame(frame);
+                drop(state);
+                self.run_steps(steps);
+            }
+            State::Up(peer) => {
+                let peer = *peer;
+                drop(state);
+                self.dispatch(&ep, peer, frame);
+            }
+        }
+    }
+
+    fn dispatch(self: &Arc<Self>, ep: &Arc<Inner>, peer: PeerRef, frame: Frame) {
+        ep.heard(peer);
+        match frame {
+            Frame::Fragment(piece) => {
+                let result = self.reassembler.lock().accept(piece);
+                match result {
+                    Ok(Some(whole)) => self.dispatch(ep, peer, whole),
+                    Ok(None) => {}
+                    Err(e) => self.refuse(e.status(), &e.to_string()),
+                }
+            }
+            Frame::Request(req) => ep.on_request(self, peer, req),
+            Frame::Response(resp) => ep.on_response(self, peer, resp),
+            Frame::Message(msg) => ep.on_message(peer, msg),
+            Frame::Heartbeat(hb) => {
+                if !hb.reply {
+                    let _ = self.send(Frame::Heartbeat(weft_wire::Heartbeat {
+                        seq: hb.seq,
+                        reply: true,
+                    }));
+                }
+            }
+            Frame::Goodbye(g) => {
+                ep.on_goodbye(peer, &g.reason);
+                self.close(Status::ShuttingDown, &format!("peer left: {}", g.reason));
+            }
+            Frame::Refused(r) => {
+                let reason = format!("closed by peer: {}", r.reason);
+                tracing::warn!(link = self.id, peer = %peer.node, status = %r.status, "{reason}");
+                self.close(r.status, &reason);
+            }
+            Frame::Hello(_) | Frame::Auth(_) => self.refuse(
+                Status::ProtocolError,
+                "handshake frame on an established link",
+            ),
+        }
+    }
+
+    /// Tells the peer why the link is being closed, then closes it.
+    pub(crate) fn refuse(self: &Arc<Self>, status: Status, reason: &str) {
+        tracing::warn!(link = self.id, %status, "closing link: {reason}");
+        *self.failing.lock() = Some((status, reason.to_string()));
+        if let Some(io) = self.io.get() {
+            let _ = io.send(Frame::Refused(weft_wire::Refused {
+                status,
+                reason: reason.to_string(),
+            }));
+        }
+        self.close(status, reason);
+    }
+
+    fn run_steps(self: &Arc<Self>, steps: Vec<Step>) {
+        // Become Up before sending the last handshake frame: over an
+        // in-process link the peer handles that frame synchronously and may
+        // answer with data at once, which must find this end established.
+        let established = steps.iter().find_map(|s| match s {
+            Step::Established(h) => Some(h.clone()),
+            _ => None,
+        });
+        let peer = established.and_then(|h| self.become_up(h));
+        if let Some(Step::Fail(status, reason)) = steps.iter().find(|s| matches!(s, Step::Fail(..)))
+        {
+            *self.failing.lock() = Some((*status, reason.clone()));
+        }
+        for step in steps {
+            match step {
+                Step::Send(frame) => {
+                    if self.send(frame).is_err() {
+                        self.close(Status::ProcDead, "medium closed during handshake");
+                        return;
+                    }
+                }
+                Step::Established(_) => {}
+                Step::Fail(status, reason) => {
+                    match status {
+                        Status::WrongSecret => {
+                            tracing::error!(link = self.id, "link refused: {reason}")
+                        }
+                        _ => tracing::warn!(link = self.id, %status, "handshake failed: {reason}"),
+                    }
+                    self.close(status, &reason);
+                    return;
+                }
+            }
+        }
+        if let Some(peer) = peer {
+            if let Some(ep) = self.ep.upgrade() {
+                ep.link_up(self, peer);
+            }
+            // Announced after the endpoint knows the link, so a waiter can use it.
+            self.phase.send_replace(Phase::Up(peer));
+        }
+    }
+
+    /// Switches to the established state; returns the peer, or `None` if the
+    /// link was no longer handshaking.
+    fn become_up(self: &Arc<Self>, hello: Hello) -> Option<PeerRef> {
+        let peer = PeerRef {
+            node: hello.node,
+            incarnation: hello.incarnation,
+            role: hello.role,
+            link: self.id,
+            channel: self.kind,
+        };
+        if let Some(io) = self.io.get() {
+            io.set_peer_max_frame(hello.max_frame as usize);
+        }
+        let mut st = self.state.lock();
+        if !matches!(&*st, State::Handshaking(_)) {
+            return None;
+        }
+        *st = State::Up(peer);
+        Some(peer)
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        if !self.closed.load(Ordering::Acquire) {
+            if let Some(io) = self.io.get() {
+                io.close();
+            }
+        }
+    }
+}

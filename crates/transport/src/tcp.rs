@@ -1,0 +1,312 @@
+//! The TCP channel: length-prefixed frames (the wire header carries the
+//! length) over tokio sockets with TCP_NODELAY.
+//!
+//! Sending writes straight to the socket from the sender's context when the
+//! socket is idle (no task hop on the fast path); while a write is in
+//! progress, other frames are appended to one buffer and go out together in
+//! the next write (small frames coalesced under load). A writer task takes
+//! over only when the kernel buffer is full. Owns sockets, never protocol
+//! state.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use parking_lot::Mutex;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use weft_wire::{decode_frame, encode_fragmented, Failure, Frame, Limits, NodeId, Status};
+
+use crate::channel::{ChannelKind, IoError, LinkIo};
+use crate::endpoint::Inner;
+use crate::handshake::Side;
+use crate::link::Link;
+
+/// Most bytes buffered for one link before senders get `Full`.
+const MAX_BUFFERED: usize = 256 << 20;
+
+struct WriteState {
+    buf: BytesMut,
+    /// Someone (a sender or the writer task) is writing; others just append.
+    busy: bool,
+}
+
+/// One end of a TCP link.
+pub(crate) struct TcpIo {
+    stream: Arc<TcpStream>,
+    write: Mutex<WriteState>,
+    flush: Notify,
+    peer_max_frame: AtomicUsize,
+    next_message_id: AtomicU64,
+    closed: AtomicBool,
+    desc: String,
+}
+
+impl TcpIo {
+    fn new(stream: TcpStream, limits: &Limits, desc: String) -> Arc<TcpIo> {
+        Arc::new(TcpIo {
+            stream: Arc::new(stream),
+            write: Mutex::new(WriteState {
+                buf: BytesMut::with_capacity(8192),
+                busy: false,
+            }),
+            flush: Notify::new(),
+            peer_max_frame: AtomicUsize::new(limits.max_frame),
+            next_message_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            desc,
+        })
+    }
+
+    /// Writes as much of `chunk` as the socket takes without blocking.
+    /// Returns true when all of it was written.
+    fn write_now(&self, chunk: &mut BytesMut) -> io::Result<bool> {
+        while !chunk.is_empty() {
+            match self.stream.try_write(chunk) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => chunk.advance(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Puts an unwritten remainder back in front of whatever was appended
+    /// meanwhile.
+    fn requeue(&self, mut rest: BytesMut) {
+        let mut st = self.write.lock();
+        let newer = std::mem::take(&mut st.buf);
+        rest.unsplit(newer);
+        st.buf = rest;
+    }
+
+    async fn writer_task(self: Arc<Self>, link: Weak<Link>) {
+        loop {
+            self.flush.notified().await;
+            loop {
+                if self.closed.load(Ordering::Acquire) {
+                    return;
+                }
+                let mut chunk = {
+                    let mut st = self.write.lock();
+                    if st.buf.is_empty() {
+                        st.busy = false;
+                        break;
+                    }
+                    st.buf.split()
+                };
+                match self.write_now(&mut chunk) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        self.requeue(chunk);
+                        if self.stream.writable().await.is_err() {
+                            self.fail(&link, "socket not writable");
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        self.fail(&link, &format!("write failed: {e}"));
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn fail(&self, link: &Weak<Link>, reason: &str) {
+        if let Some(link) = link.upgrade() {
+            link.on_closed(reason);
+        }
+    }
+
+    async fn reader_task(self: Arc<Self>, link: Weak<Link>, limits: Limits) {
+        let mut buf = BytesMut::with_capacity(64 * 1024);
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return;
+            }
+            if buf.capacity() - buf.len() < 4096 {
+                buf.reserve(64 * 1024);
+            }
+            if let Err(e) = self.stream.readable().await {
+                self.fail(&link, &format!("read failed: {e}"));
+                return;
+            }
+            match self.stream.try_read_buf(&mut buf) {
+                Ok(0) => {
+                    self.fail(&link, "connection closed by peer");
+                    return;
+                }
+                Ok(_) => loop {
+                    match decode_frame(&mut buf, &limits) {
+                        Ok(Some(frame)) => match link.upgrade() {
+                            Some(l) => l.on_frame(frame),
+                            None => return,
+                        },
+                        Ok(None) => break,
+                        Err(e) => {
+                            if let Some(l) = link.upgrade() {
+                                l.refuse(e.status(), &format!("malformed frame: {e}"));
+                            }
+                            return;
+                        }
+                    }
+                },
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => {
+                    self.fail(&link, &format!("read failed: {e}"));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl LinkIo for TcpIo {
+    fn send(&self, frame: Frame) -> Result<(), IoError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(IoError::Closed);
+        }
+        let mut chunk = {
+            let mut st = self.write.lock();
+            if st.buf.len() > MAX_BUFFERED {
+                return Err(IoError::Full);
+            }
+            let max = self.peer_max_frame.load(Ordering::Relaxed);
+            let id = self.next_message_id.fetch_add(1, Ordering::Relaxed);
+            encode_fragmented(&frame, max, id, &mut st.buf)
+                .map_err(|e| IoError::Encode(e.to_string()))?;
+            if st.busy {
+                return Ok(()); // the active writer picks it up
+            }
+            st.busy = true;
+            st.buf.split()
+        };
+        loop {
+            match self.write_now(&mut chunk) {
+                Ok(true) => {
+                    let mut st = self.write.lock();
+                    if st.buf.is_empty() {
+                        st.busy = false;
+                        return Ok(());
+                    }
+                    chunk = st.buf.split();
+                }
+                Ok(false) => {
+                    self.requeue(chunk);
+                    self.flush.notify_one();
+                    return Ok(());
+                }
+                Err(_) => {
+                    // The reader notices the broken socket and closes the link.
+                    self.close();
+                    return Err(IoError::Closed);
+                }
+            }
+        }
+    }
+
+    fn set_peer_max_frame(&self, max_frame: usize) {
+        self.peer_max_frame.store(max_frame, Ordering::Relaxed);
+    }
+
+    fn close(&self) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            let _ = socket2::SockRef::from(&*self.stream).shutdown(std::net::Shutdown::Both);
+            self.flush.notify_one();
+        }
+    }
+
+    fn kind(&self) -> ChannelKind {
+        ChannelKind::Tcp
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+/// Wraps an accepted or connected socket in a link and starts its tasks.
+fn attach(ep: &Arc<Inner>, stream: TcpStream, side: Side, expected: Option<NodeId>) -> Arc<Link> {
+    let _ = stream.set_nodelay(true);
+    let desc = match (stream.local_addr(), stream.peer_addr()) {
+        (Ok(l), Ok(p)) => format!("tcp {l} -> {p}"),
+        _ => "tcp".to_string(),
+    };
+    let link = Link::new(ep, side, ChannelKind::Tcp, expected);
+    let io = TcpIo::new(stream, &ep.cfg.limits, desc);
+    link.attach(io.clone());
+    ep.register_link(&link);
+    ep.spawn(io.clone().reader_task(Arc::downgrade(&link), ep.cfg.limits));
+    ep.spawn(io.writer_task(Arc::downgrade(&link)));
+    link
+}
+
+/// Binds the listener and spawns the accept loop. Returns the bound address.
+pub(crate) async fn listen(ep: &Arc<Inner>, addr: SocketAddr) -> io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let weak = Arc::downgrade(ep);
+    ep.spawn(async move {
+        loop {
+            let (stream, _) = match listener.accept().await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let Some(ep) = weak.upgrade() else { return };
+            if ep.is_crashed() || ep.is_closing() {
+                return;
+            }
+            attach(&ep, stream, Side::Acceptor, None);
+        }
+    });
+    Ok(bound)
+}
+
+/// Connects to `addr` and starts the handshake. The returned link may still
+/// be handshaking; see [`Link::established`].
+///
+/// Fails with ProcDead when the connection is refused (the host answers, no
+/// process listens), HostDead when it times out, AddrError otherwise.
+pub(crate) async fn connect(
+    ep: &Arc<Inner>,
+    addr: SocketAddr,
+    expected: Option<NodeId>,
+) -> Result<Arc<Link>, Failure> {
+    let stream = match tokio::time::timeout(ep.cfg.connect_timeout, TcpStream::connect(addr)).await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            return Err(Failure::new(
+                Status::ProcDead,
+                format!("connection to {addr} refused: no process listening"),
+            ))
+        }
+        Ok(Err(e)) => {
+            return Err(Failure::new(
+                Status::HostDead,
+                format!("cannot connect to {addr}: {e}"),
+            ))
+        }
+        Err(_) => {
+            return Err(Failure::new(
+                Status::HostDead,
+                format!(
+                    "connecting to {addr} timed out after {:?}",
+                    ep.cfg.connect_timeout
+                ),
+            ))
+        }
+    };
+    let link = attach(ep, stream, Side::Initiator, expected);
+    link.start();
+    Ok(link)
+}

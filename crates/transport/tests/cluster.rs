@@ -1,0 +1,601 @@
+//! In-process and TCP clusters of real endpoints: membership, calls, failure
+//! detection, partitions, secrets and malformed input.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use weft_transport::*;
+use weft_wire::*;
+
+/// A request handler: `echo` answers with the payload, `hang` never answers
+/// (until the node dies), anything else is NoSuchService.
+struct TestService;
+
+impl RequestHandler for TestService {
+    fn handle(&self, _from: PeerRef, req: Request, responder: Responder) {
+        match req.service.as_str() {
+            "echo" => responder.respond(Response {
+                call_id: 0,
+                status: Status::Ok,
+                detail: String::new(),
+                tx: None,
+                payload: req.payload,
+            }),
+            "hang" => {
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(120)).await;
+                    drop(responder);
+                });
+            }
+            other => responder.fail(Failure::new(Status::NoSuchService, other.to_string())),
+        }
+    }
+}
+
+const HB: Duration = Duration::from_millis(50);
+const DEAD: Duration = Duration::from_millis(300);
+
+fn cfg(node: u32, hub: &Arc<InprocHub>, plan: &Arc<FaultPlan>) -> TransportConfig {
+    TransportConfig {
+        hub: Some(hub.clone()),
+        fault: Some(plan.clone()),
+        heartbeat_interval: HB,
+        dead_after: DEAD,
+        connect_timeout: Duration::from_millis(500),
+        secret: b"cluster".to_vec(),
+        ..TransportConfig::node(NodeId(node), Incarnation(1))
+    }
+}
+
+async fn start(cfg: TransportConfig) -> Endpoint {
+    let ep = Endpoint::start(cfg).await.expect("endpoint starts");
+    ep.set_request_handler(Arc::new(TestService));
+    ep
+}
+
+/// Starts an in-process cluster of `n` nodes (node 1 is the directory).
+async fn inproc_cluster(n: u32, plan: &Arc<FaultPlan>) -> (Arc<InprocHub>, Vec<Endpoint>) {
+    let hub = InprocHub::new();
+    let mut eps = vec![start(cfg(1, &hub, plan)).await];
+    for id in 2..=n {
+        let ep = start(cfg(id, &hub, plan)).await;
+        ep.join(Seed::Inproc(NodeId(1))).await.expect("join");
+        eps.push(ep);
+    }
+    (hub, eps)
+}
+
+/// Waits until `pred` holds for every endpoint's view, or panics with the views.
+async fn converge(eps: &[Endpoint], what: &str, pred: impl Fn(&ClusterView) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if eps.iter().all(|e| pred(&e.view())) {
+            return;
+        }
+        if Instant::now() > deadline {
+            let views: Vec<_> = eps.iter().map(|e| e.view()).collect();
+            panic!("views did not converge on {what}: {views:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn alive(view: &ClusterView) -> Vec<u32> {
+    view.nodes
+        .iter()
+        .filter(|n| n.alive)
+        .map(|n| n.info.id.0)
+        .collect()
+}
+
+fn request(service: &str, node: u32, payload: Payload) -> Request {
+    Request {
+        call_id: 0,
+        service: ServiceName::new(service).unwrap(),
+        instance: 0,
+        node: NodeId(node),
+        budget_us: None,
+        tx: None,
+        flags: 0,
+        payload,
+    }
+}
+
+fn soon(d: Duration) -> Option<Instant> {
+    Some(Instant::now() + d)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_nodes_see_each_other_and_call_each_other() {
+    let plan = Arc::new(FaultPlan::new(11));
+    let (_hub, eps) = inproc_cluster(5, &plan).await;
+    converge(&eps, "5 alive members", |v| alive(v) == vec![1, 2, 3, 4, 5]).await;
+    for a in &eps {
+        for b in &eps {
+            let payload = Payload::local(format!("{}->{}", a.node_id(), b.node_id()));
+            let resp = a
+                .call(
+                    b.node_id(),
+                    request("echo", b.node_id().0, payload),
+                    soon(Duration::from_secs(2)),
+                )
+                .await
+                .unwrap_or_else(|f| panic!("{} -> {}: {f}", a.node_id(), b.node_id()));
+            assert_eq!(resp.status, Status::Ok);
+            let got: String = resp.payload.decode().unwrap();
+            assert_eq!(got, format!("{}->{}", a.node_id(), b.node_id()));
+        }
+    }
+    // In-process links hand values over without encoding them.
+    let resp = eps[0]
+        .call(
+            NodeId(2),
+            request("echo", 2, Payload::local(7u64)),
+            soon(Duration::from_secs(2)),
+        )
+        .await
+        .unwrap();
+    assert!(
+        resp.payload.is_local(),
+        "inproc payloads are never serialized"
+    );
+    let view = eps[0].view();
+    assert!(view
+        .nodes
+        .iter()
+        .any(|n| n.channel == Some(ChannelKind::Inproc)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joins_and_leaves_are_seen_by_every_node() {
+    let plan = Arc::new(FaultPlan::new(12));
+    let (hub, mut eps) = inproc_cluster(2, &plan).await;
+    converge(&eps, "2 members", |v| alive(v) == vec![1, 2]).await;
+    let late = start(cfg(3, &hub, &plan)).await;
+    // Joining through a non-directory member is redirected to the directory.
+    late.join(Seed::Inproc(NodeId(2)))
+        .await
+        .expect("join via member");
+    eps.push(late);
+    converge(&eps, "3 members", |v| alive(v) == vec![1, 2, 3]).await;
+    let leaver = eps.remove(1);
+    leaver.shutdown().await;
+    converge(&eps, "node 2 gone", |v| alive(v) == vec![1, 3]).await;
+    let err = eps[0]
+        .call(
+            NodeId(2),
+            request("echo", 2, Payload::empty()),
+            soon(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.status, Status::ProcDead, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_nodes_pending_calls_end_with_host_dead_within_the_bound() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("weft_transport=debug")
+        .with_test_writer()
+        .try_init();
+    let plan = Arc::new(FaultPlan::new(13));
+    let (_hub, eps) = inproc_cluster(3, &plan).await;
+    converge(&eps, "3 members", |v| alive(v) == vec![1, 2, 3]).await;
+    let caller = eps[0].clone();
+    let call = tokio::spawn(async move {
+        caller
+            .call(
+                NodeId(3),
+                request("hang", 3, Payload::empty()),
+                soon(Duration::from_secs(30)),
+            )
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let crashed_at = Instant::now();
+    eps[2].crash();
+    let err = call.await.unwrap().unwrap_err();
+    let took = crashed_at.elapsed();
+    assert_eq!(err.status, Status::HostDead, "{err}\n{}", plan.report());
+    assert!(
+        took < DEAD + Duration::from_secs(1),
+        "HostDead after {took:?}, detector bound is {DEAD:?}"
+    );
+    converge(&eps[..2], "node 3 dead", |v| alive(v) == vec![1, 2]).await;
+    // New calls fail at once with the same status.
+    let err = eps[1]
+        .call(
+            NodeId(3),
+            request("echo", 3, Payload::empty()),
+            soon(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.status, Status::HostDead);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_link_gives_a_status_not_a_hang_and_heals() {
+    let plan = Arc::new(FaultPlan::new(14));
+    let (_hub, eps) = inproc_cluster(2, &plan).await;
+    converge(&eps, "2 members", |v| alive(v) == vec![1, 2]).await;
+    plan.partition(&[NodeId(1)], &[NodeId(2)]);
+    let started = Instant::now();
+    let err = eps[0]
+        .call(
+            NodeId(2),
+            request("echo", 2, Payload::empty()),
+            soon(Duration::from_secs(10)),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err.status, Status::HostDead | Status::TimedOut),
+        "{err}\n{}",
+        plan.report()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "ended by the detector, not the deadline"
+    );
+    plan.heal();
+    converge(&eps, "healed", |v| alive(v) == vec![1, 2]).await;
+    let resp = eps[0]
+        .call(
+            NodeId(2),
+            request("echo", 2, Payload::empty()),
+            soon(Duration::from_secs(2)),
+        )
+        .await
+        .expect("calls work again after the partition heals");
+    assert_eq!(resp.status, Status::Ok);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_end_calls_with_timed_out() {
+    let plan = Arc::new(FaultPlan::new(15));
+    let (_hub, eps) = inproc_cluster(2, &plan).await;
+    let err = eps[0]
+        .call(
+            NodeId(2),
+            request("hang", 2, Payload::empty()),
+            soon(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.status, Status::TimedOut);
+    assert_eq!(
+        eps[0].pending_calls(),
+        0,
+        "abandoned calls leave nothing behind"
+    );
+    let err = eps[0]
+        .call(
+            NodeId(9),
+            request("echo", 9, Payload::empty()),
+            soon(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.status, Status::AddrError);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_secret_is_refused_on_both_sides_inproc() {
+    let plan = Arc::new(FaultPlan::new(16));
+    let (hub, eps) = inproc_cluster(1, &plan).await;
+    let intruder = start(TransportConfig {
+        secret: b"guess".to_vec(),
+        ..cfg(5, &hub, &plan)
+    })
+    .await;
+    let err = intruder.join(Seed::Inproc(NodeId(1))).await.unwrap_err();
+    assert_eq!(err.status, Status::WrongSecret, "{err}");
+    assert!(
+        eps[0].refusals().iter().any(|r| r.contains("WrongSecret")),
+        "{:?}",
+        eps[0].refusals()
+    );
+    assert_eq!(
+        alive(&eps[0].view()),
+        vec![1],
+        "nothing the intruder sent was acted on"
+    );
+}
+
+fn tcp_cfg(node: u32, secret: &[u8]) -> TransportConfig {
+    TransportConfig {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        channels: ChannelSet {
+            inproc: false,
+            shm: false,
+            tcp: true,
+        },
+        hub: Some(InprocHub::new()),
+        heartbeat_interval: HB,
+        dead_after: DEAD,
+        connect_timeout: Duration::from_millis(1000),
+        secret: secret.to_vec(),
+        ..TransportConfig::node(NodeId(node), Incarnation(1))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_cluster_carries_many_calls_and_large_messages() {
+    let a = start(tcp_cfg(1, b"k")).await;
+    let b = start(tcp_cfg(2, b"k")).await;
+    b.join(Seed::Tcp(a.listen_addr().unwrap())).await.unwrap();
+    converge(&[a.clone(), b.clone()], "2 members", |v| {
+        alive(v) == vec![1, 2]
+    })
+    .await;
+    let mut calls = Vec::new();
+    for i in 0..200u32 {
+        let b = b.clone();
+        calls.push(tokio::spawn(async move {
+            let payload = Payload::local(vec![i as u8; (i as usize) * 10]);
+            let r = b
+                .call(
+                    NodeId(1),
+                    request("echo", 1, payload),
+                    soon(Duration::from_secs(10)),
+                )
+                .await
+                .unwrap();
+            let v: Vec<u8> = r.payload.decode().unwrap();
+            assert_eq!(v, vec![i as u8; (i as usize) * 10]);
+        }));
+    }
+    for c in calls {
+        c.await.unwrap();
+    }
+    // A 3 MiB message crosses a link whose frames are at most 1 MiB: the
+    // receiver's decoder refuses any larger frame, so it must be fragmented.
+    let big: Vec<u8> = (0..3 << 20).map(|i| (i % 251) as u8).collect();
+    let r = a
+        .call(
+            NodeId(2),
+            request("echo", 2, Payload::local(big.clone())),
+            soon(Duration::from_secs(10)),
+        )
+        .await
+        .unwrap();
+    assert!(!r.payload.is_local(), "it was encoded to cross the socket");
+    assert_eq!(r.payload.decode::<Vec<u8>>().unwrap(), big);
+    let view = b.view();
+    assert!(
+        view.nodes
+            .iter()
+            .any(|n| n.channel == Some(ChannelKind::Tcp)),
+        "{view:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_secret_is_refused_on_both_sides_over_tcp() {
+    let a = start(tcp_cfg(1, b"right")).await;
+    let b = start(tcp_cfg(2, b"wrong")).await;
+    let err = b
+        .join(Seed::Tcp(a.listen_addr().unwrap()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.status, Status::WrongSecret, "{err}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        a.refusals().iter().any(|r| r.contains("WrongSecret")),
+        "{:?}",
+        a.refusals()
+    );
+    assert_eq!(alive(&a.view()), vec![1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_tcp_peer_is_proc_dead_at_once() {
+    let a = start(tcp_cfg(1, b"k")).await;
+    let b = start(tcp_cfg(2, b"k")).await;
+    b.join(Seed::Tcp(a.listen_addr().unwrap())).await.unwrap();
+    converge(&[a.clone(), b.clone()], "2 members", |v| {
+        alive(v) == vec![1, 2]
+    })
+    .await;
+    let caller = a.clone();
+    let call = tokio::spawn(async move {
+        caller
+            .call(
+                NodeId(2),
+                request("hang", 2, Payload::empty()),
+                soon(Duration::from_secs(30)),
+            )
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    b.crash(); // sockets close as when a process is killed
+    let err = call.await.unwrap().unwrap_err();
+    assert_eq!(err.status, Status::ProcDead, "{err}");
+    converge(std::slice::from_ref(&a), "node 2 dead", |v| alive(v) == vec![1]).await;
+}
+
+async fn read_frame(sock: &mut tokio::net::TcpStream) -> Option<Frame> {
+    let mut buf = BytesMut::new();
+    loop {
+        if let Ok(Some(f)) = decode_frame(&mut buf, &Limits::default()) {
+            return Some(f);
+        }
+        let mut chunk = [0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut chunk))
+            .await
+            .ok()?
+            .ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames_get_errors_and_the_node_keeps_serving() {
+    let a = start(tcp_cfg(1, b"k")).await;
+    let addr = a.listen_addr().unwrap();
+
+    // Not weft at all.
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    sock.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    match read_frame(&mut sock).await {
+        Some(Frame::Refused(r)) => {
+            assert_eq!(r.status, Status::ProtocolError);
+            assert!(r.reason.contains("magic"), "{}", r.reason);
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    assert!(
+        read_frame(&mut sock).await.is_none(),
+        "the connection is closed"
+    );
+
+    // A weft header announcing a frame larger than the limit.
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut header = Vec::from(&b"wf"[..]);
+    header.extend_from_slice(&[1, 4]);
+    header.extend_from_slice(&(u32::MAX - 100).to_le_bytes());
+    header.extend_from_slice(&[0; 4]);
+    sock.write_all(&header).await.unwrap();
+    match read_frame(&mut sock).await {
+        Some(Frame::Refused(r)) => assert_eq!(r.status, Status::TooLarge, "{}", r.reason),
+        other => panic!("expected Refused, got {other:?}"),
+    }
+
+    // A valid frame of a kind that is not allowed before the handshake.
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut out = BytesMut::new();
+    encode_frame(
+        &Frame::Request(request("echo", 1, Payload::empty())),
+        &mut out,
+    )
+    .unwrap();
+    sock.write_all(&out).await.unwrap();
+    match read_frame(&mut sock).await {
+        Some(Frame::Refused(r)) => assert_eq!(r.status, Status::ProtocolError, "{}", r.reason),
+        other => panic!("expected Refused, got {other:?}"),
+    }
+
+    // A corrupted checksum.
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut out = BytesMut::new();
+    encode_frame(&Frame::Goodbye(Goodbye { reason: "x".into() }), &mut out).unwrap();
+    let last = out.len() - 1;
+    out[last] ^= 0xff;
+    sock.write_all(&out).await.unwrap();
+    match read_frame(&mut sock).await {
+        Some(Frame::Refused(r)) => assert!(r.reason.contains("checksum"), "{}", r.reason),
+        other => panic!("expected Refused, got {other:?}"),
+    }
+
+    // The node still serves a real peer.
+    let b = start(tcp_cfg(2, b"k")).await;
+    b.join(Seed::Tcp(addr)).await.unwrap();
+    let r = b
+        .call(
+            NodeId(1),
+            request("echo", 1, Payload::local(1u8)),
+            soon(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Ok);
+    assert!(a.refusals().len() >= 4, "{:?}", a.refusals());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_is_seen_as_a_new_incarnation() {
+    let plan = Arc::new(FaultPlan::new(17));
+    let (hub, eps) = inproc_cluster(3, &plan).await;
+    converge(&eps, "3 members", |v| alive(v) == vec![1, 2, 3]).await;
+    let events = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let ev = events.clone();
+    eps[0].on_membership(move |e| ev.lock().push(e.clone()));
+    eps[2].crash();
+    let again = start(TransportConfig {
+        incarnation: Incarnation(2),
+        ..cfg(3, &hub, &plan)
+    })
+    .await;
+    again
+        .join(Seed::Inproc(NodeId(1)))
+        .await
+        .expect("restarted node re-joins");
+    let all = [eps[0].clone(), eps[1].clone(), again.clone()];
+    converge(&all, "3 members again", |v| alive(v) == vec![1, 2, 3]).await;
+    assert_eq!(eps[0].peer_incarnation(NodeId(3)), Some(Incarnation(2)));
+    let seen = events.lock().clone();
+    assert!(
+        seen.iter().any(|e| matches!(
+            e,
+            MembershipEvent::Left {
+                node: NodeId(3),
+                incarnation: Some(Incarnation(1)),
+                ..
+            }
+        )),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter().any(|e| matches!(e, MembershipEvent::Joined(i) if i.id == NodeId(3) && i.incarnation == Incarnation(2))),
+        "{seen:?}"
+    );
+    let r = eps[1]
+        .call(
+            NodeId(3),
+            request("echo", 3, Payload::empty()),
+            soon(Duration::from_secs(2)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Ok);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lossy_links_still_converge_and_calls_get_statuses() {
+    let plan = Arc::new(FaultPlan::new(18));
+    let (_hub, eps) = inproc_cluster(5, &plan).await;
+    converge(&eps, "5 members", |v| alive(v) == vec![1, 2, 3, 4, 5]).await;
+    plan.set_default(LinkFaults {
+        drop: 0.05,
+        duplicate: 0.05,
+        reorder: 0.1,
+        delay: Some((Duration::ZERO, Duration::from_millis(2))),
+        scope: FaultScope::All,
+    });
+    let mut ok = 0;
+    for i in 0..100u32 {
+        let from = &eps[(i % 5) as usize];
+        let to = NodeId(1 + (i * 3 + 1) % 5);
+        match from
+            .call(
+                to,
+                request("echo", to.0, Payload::local(i)),
+                soon(Duration::from_millis(200)),
+            )
+            .await
+        {
+            Ok(r) => {
+                assert_eq!(r.payload.decode::<u32>().unwrap(), i);
+                ok += 1;
+            }
+            Err(f) => assert!(
+                matches!(f.status, Status::TimedOut | Status::HostDead),
+                "{f}\n{}",
+                plan.report()
+            ),
+        }
+    }
+    assert!(
+        ok > 50,
+        "most calls get through 5% loss ({ok}/100)\n{}",
+        plan.report()
+    );
+}
