@@ -1,0 +1,101 @@
+//! The log directory: its lock, its fsync, and listing what is in it.
+//!
+//! Owns: the exclusive lock that keeps two `Log`s off one directory, directory fsync (needed
+//! after a file is created, renamed or removed), and enumerating segment files. Must never:
+//! read or write segment contents.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::error::{LogError, Result};
+use crate::segment;
+
+/// Name of the lock file inside the log directory.
+const LOCK_FILE: &str = "log.lock";
+
+/// Fsyncs a directory so that file creations, renames and removals in it are durable.
+/// Returns [`LogError::Io`] on failure.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| LogError::io(format!("syncing directory {}", dir.display()), e))
+}
+
+/// Creates `dir` (and missing parents) if needed, making the creation durable.
+/// Returns [`LogError::Io`] on failure.
+pub(crate) fn ensure_dir(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    fs::create_dir_all(dir)
+        .map_err(|e| LogError::io(format!("creating log directory {}", dir.display()), e))?;
+    sync_dir(dir)?;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
+/// An exclusive advisory lock on a log directory, held for the lifetime of a `Log`.
+/// Released when dropped (the kernel drops the `flock` with the last descriptor).
+#[derive(Debug)]
+pub(crate) struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    /// Takes the lock without blocking. Returns [`LogError::Locked`] if another log instance
+    /// holds it, [`LogError::Io`] for any other failure.
+    pub(crate) fn acquire(dir: &Path) -> Result<DirLock> {
+        let path = dir.join(LOCK_FILE);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| LogError::io(format!("opening {}", path.display()), e))?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor belongs to `file`, which is alive for the whole call; flock
+        // takes only scalar arguments.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                return Err(LogError::Locked {
+                    dir: dir.to_path_buf(),
+                });
+            }
+            return Err(LogError::io(format!("locking {}", path.display()), err));
+        }
+        Ok(DirLock { _file: file })
+    }
+}
+
+/// Lists the segment files in `dir` as sorted base positions, and removes leftovers of
+/// interrupted segment creation or meta writes (`*.tmp`). Returns [`LogError::Io`] on failure.
+pub(crate) fn scan(dir: &Path) -> Result<Vec<u64>> {
+    let ctx = |e| LogError::io(format!("listing log directory {}", dir.display()), e);
+    let mut bases = Vec::new();
+    let mut removed: Vec<PathBuf> = Vec::new();
+    for entry in fs::read_dir(dir).map_err(ctx)? {
+        let entry = entry.map_err(ctx)?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(base) = segment::parse_file_name(name) {
+            bases.push(base);
+        } else if name.ends_with(segment::TMP_SUFFIX) {
+            let p = entry.path();
+            fs::remove_file(&p)
+                .map_err(|e| LogError::io(format!("removing stale {}", p.display()), e))?;
+            removed.push(p);
+        }
+    }
+    if !removed.is_empty() {
+        tracing::info!(?removed, "removed leftovers of interrupted log writes");
+        sync_dir(dir)?;
+    }
+    bases.sort_unstable();
+    Ok(bases)
+}

@@ -1,0 +1,398 @@
+//! Recovery: reading the log back at open, and cutting off a torn or corrupt tail.
+//!
+//! Owns: the scan from the oldest retained segment to the first invalid record, the physical
+//! removal of everything after that point (file truncation, later segments deleted), and the
+//! [`Recovered`] report. Must never: hand back a record that failed validation, replay anything
+//! past the first invalid record, or leave stale bytes after the cut where a later append could
+//! be followed by them.
+
+use std::fmt;
+use std::fs;
+use std::io::Read;
+use std::path::Path;
+
+use bytes::Bytes;
+
+use crate::config::LogConfig;
+use crate::dir::{self, sync_dir};
+use crate::error::{LogError, Result};
+use crate::lsn::{Lsn, RecordTag};
+use crate::meta;
+use crate::record::{self, Decoded};
+use crate::segment::{self, SEGMENT_HEADER_LEN};
+
+/// One record read back from the log.
+#[derive(Clone, PartialEq, Eq)]
+pub struct LogRecord {
+    /// Where the record lies in the log stream.
+    pub lsn: Lsn,
+    /// The tag it was appended with.
+    pub tag: RecordTag,
+    /// Its payload (a zero-copy slice of the segment read at recovery).
+    pub payload: Bytes,
+}
+
+/// What [`Log::open`](crate::Log::open) found on disk: the valid records, in log order, and a
+/// report of anything cut off.
+///
+/// Records are held in memory; the log's checkpoints (`truncate_before`) keep the retained log,
+/// and hence this, bounded.
+#[derive(Clone, Default)]
+pub struct Recovered {
+    /// Every valid record at or after `first_lsn`, in LSN order.
+    pub records: Vec<LogRecord>,
+    /// The log start recorded by the last `truncate_before` (or the oldest segment's start).
+    pub first_lsn: Lsn,
+    /// The position right after the last valid record: the log continues from here.
+    pub end_lsn: Lsn,
+    /// Bytes cut off the tail: from the cut point to the last non-zero byte of that segment,
+    /// plus the whole size of every later segment file removed. Zero after a clean shutdown.
+    pub truncated_bytes: u64,
+    /// Why the tail was cut (which check the first invalid record failed, and where), or
+    /// `None` if the log ended cleanly.
+    pub tail_error: Option<String>,
+    /// Segment files removed because they lay after the cut.
+    pub segments_removed: usize,
+}
+
+impl fmt::Debug for LogRecord {
+    /// Shows the payload's length and first bytes only, so test failures stay readable.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const SHOWN: usize = 16;
+        let head = &self.payload[..self.payload.len().min(SHOWN)];
+        f.debug_struct("LogRecord")
+            .field("lsn", &self.lsn)
+            .field("tag", &self.tag)
+            .field("len", &self.payload.len())
+            .field(
+                "head",
+                &format_args!(
+                    "{head:02x?}{}",
+                    if self.payload.len() > SHOWN {
+                        "…"
+                    } else {
+                        ""
+                    }
+                ),
+            )
+            .finish()
+    }
+}
+
+impl fmt::Debug for Recovered {
+    /// Summarizes the records (count and LSN range) instead of listing them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Recovered")
+            .field("records", &self.records.len())
+            .field("first_record", &self.records.first().map(|r| r.lsn))
+            .field("last_record", &self.last_lsn())
+            .field("first_lsn", &self.first_lsn)
+            .field("end_lsn", &self.end_lsn)
+            .field("truncated_bytes", &self.truncated_bytes)
+            .field("tail_error", &self.tail_error)
+            .field("segments_removed", &self.segments_removed)
+            .finish()
+    }
+}
+
+impl Recovered {
+    /// The records at or after `lsn`, in order. Never fails; empty if `lsn` is past the end.
+    pub fn records_from(&self, lsn: Lsn) -> impl Iterator<Item = &LogRecord> + '_ {
+        let start = self.records.partition_point(|r| r.lsn < lsn);
+        self.records[start..].iter()
+    }
+
+    /// The LSN of the last recovered record, or `None` if none was recovered.
+    #[must_use]
+    pub fn last_lsn(&self) -> Option<Lsn> {
+        self.records.last().map(|r| r.lsn)
+    }
+
+    /// True when the log had to cut off a torn or corrupt tail.
+    #[must_use]
+    pub fn was_cut(&self) -> bool {
+        self.tail_error.is_some()
+    }
+}
+
+impl IntoIterator for Recovered {
+    type Item = LogRecord;
+    type IntoIter = std::vec::IntoIter<LogRecord>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.records.into_iter()
+    }
+}
+
+/// Everything `Log::open` needs to continue where the log left off.
+#[derive(Debug)]
+pub(crate) struct Recovery {
+    /// The report for the caller.
+    pub recovered: Recovered,
+    /// Bases of the retained segments, oldest first; the last one is the active segment.
+    pub segments: Vec<u64>,
+    /// Offset inside the active segment where the next record goes.
+    pub active_end: u64,
+    /// LSN of the last valid record in the retained segments (also those below the start),
+    /// or 0 if there is none.
+    pub last_lsn: u64,
+}
+
+/// Runs recovery on `config.dir`: validates every record from the oldest retained segment on,
+/// cuts the log at the first invalid one, makes what remains durable, and creates the first
+/// segment of a fresh log.
+///
+/// Returns [`LogError::Corrupt`] when continuing would silently lose records the log must have
+/// (the segment holding the start is missing or has a bad header), [`LogError::Io`] when the
+/// directory cannot be read or repaired.
+pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
+    let dir = config.dir.as_path();
+    let meta_start = meta::read(dir)?;
+    let bases = dir::scan(dir)?;
+
+    let Some(&oldest) = bases.first() else {
+        if let Some(start) = meta_start.filter(|&s| s > 0) {
+            return Err(LogError::Corrupt {
+                lsn: Lsn(start),
+                reason: "log.meta records a start but no segment file exists".to_string(),
+            });
+        }
+        segment::create(dir, 0, config.segment_size, config.preallocate)?;
+        return Ok(Recovery {
+            recovered: Recovered {
+                end_lsn: Lsn(SEGMENT_HEADER_LEN),
+                ..Recovered::default()
+            },
+            segments: vec![0],
+            active_end: SEGMENT_HEADER_LEN,
+            last_lsn: 0,
+        });
+    };
+
+    // Without log.meta the log was never truncated (truncate_before writes the meta file
+    // before it deletes anything), so it must still start at position 0.
+    let start = meta_start.unwrap_or(0);
+    let first = match bases.partition_point(|&b| b <= start) {
+        0 => {
+            return Err(LogError::Corrupt {
+                lsn: Lsn(start),
+                reason: format!("the oldest segment starts later, at {}", Lsn(oldest)),
+            })
+        }
+        n => n - 1,
+    };
+    remove_stale(dir, &bases[..first])?;
+
+    let mut out = Recovery {
+        recovered: Recovered {
+            first_lsn: Lsn(start),
+            ..Recovered::default()
+        },
+        segments: Vec::new(),
+        active_end: SEGMENT_HEADER_LEN,
+        last_lsn: 0,
+    };
+    let mut prev_end: Option<u64> = None;
+    let mut removed_any = false;
+    for &base in &bases[first..] {
+        if out.recovered.tail_error.is_some() {
+            remove_after_cut(dir, base, &mut out.recovered)?;
+            removed_any = true;
+            continue;
+        }
+        match scan_segment(dir, base, prev_end, start, &mut out)? {
+            SegmentScan::Kept { end } => {
+                out.segments.push(base);
+                out.active_end = end;
+                prev_end = Some(base + end);
+            }
+            SegmentScan::Rejected(reason) if prev_end.is_some() => {
+                out.recovered.tail_error = Some(reason);
+                remove_after_cut(dir, base, &mut out.recovered)?;
+                removed_any = true;
+            }
+            SegmentScan::Rejected(reason) => {
+                // The segment that holds the log start has an unusable header. If it holds no
+                // record bytes either, nothing is lost: start it afresh. Otherwise every record
+                // of the log would be dropped; refuse rather than start over empty.
+                let Some(garbage) = headerless_garbage(dir, base)? else {
+                    return Err(LogError::Corrupt {
+                        lsn: Lsn(base),
+                        reason,
+                    });
+                };
+                segment::create(dir, base, config.segment_size, config.preallocate)?;
+                out.recovered.tail_error = Some(format!("{reason}; segment recreated empty"));
+                out.recovered.truncated_bytes += garbage;
+                out.segments.push(base);
+                out.active_end = SEGMENT_HEADER_LEN;
+                prev_end = Some(base + SEGMENT_HEADER_LEN);
+            }
+        }
+    }
+    if removed_any {
+        sync_dir(dir)?;
+    }
+
+    let end = prev_end.expect("the first retained segment is kept or recovery failed");
+    out.recovered.end_lsn = Lsn(end);
+    if start > end {
+        // The cut went below the checkpointed start: those records are gone, so the log now
+        // starts where it ends, and new records (from `end` on) must be replayed next time.
+        tracing::warn!(start, end, "log tail cut below the recorded log start");
+        meta::write(dir, end)?;
+        out.recovered.first_lsn = Lsn(end);
+    }
+    if let Some(reason) = &out.recovered.tail_error {
+        tracing::warn!(
+            reason,
+            truncated_bytes = out.recovered.truncated_bytes,
+            segments_removed = out.recovered.segments_removed,
+            "log tail cut during recovery"
+        );
+    }
+    debug_assert!(out
+        .recovered
+        .records
+        .windows(2)
+        .all(|w| w[0].lsn < w[1].lsn));
+    Ok(out)
+}
+
+/// Outcome of scanning one segment.
+enum SegmentScan {
+    /// The segment stays; `end` is the offset after its last valid record.
+    Kept { end: u64 },
+    /// The segment's header is unusable or it does not continue the previous one.
+    Rejected(String),
+}
+
+/// Reads and validates one segment, appending its records at or after `start` to
+/// `out.recovered.records`. If an invalid record is found, cuts the file there (truncate and
+/// fsync) and records the reason in `out.recovered.tail_error`.
+fn scan_segment(
+    dir: &Path,
+    base: u64,
+    prev_end: Option<u64>,
+    start: u64,
+    out: &mut Recovery,
+) -> Result<SegmentScan> {
+    let name = segment::file_name(base);
+    let file = segment::open(dir, base)?;
+    let mut buf = Vec::new();
+    (&file)
+        .read_to_end(&mut buf)
+        .map_err(|e| LogError::io(format!("reading segment {name}"), e))?;
+
+    match segment::decode_header(&buf) {
+        Err(reason) => return Ok(SegmentScan::Rejected(format!("segment {name}: {reason}"))),
+        Ok(b) if b != base => {
+            return Ok(SegmentScan::Rejected(format!(
+                "segment {name}: header says it starts at {}",
+                Lsn(b)
+            )))
+        }
+        Ok(_) => {}
+    }
+    if let Some(pe) = prev_end.filter(|&pe| pe != base) {
+        return Ok(SegmentScan::Rejected(format!(
+            "segment {name} starts at {} but the previous segment ends at {}",
+            Lsn(base),
+            Lsn(pe)
+        )));
+    }
+
+    let mut pos = SEGMENT_HEADER_LEN as usize;
+    let mut found = Vec::new();
+    let mut invalid = None;
+    loop {
+        match record::decode_at(&buf, pos, base + pos as u64) {
+            Decoded::Record { tag, payload, next } => {
+                found.push((base + pos as u64, tag, payload));
+                pos = next;
+            }
+            Decoded::End => break,
+            Decoded::Invalid(reason) => {
+                invalid = Some(reason);
+                break;
+            }
+        }
+    }
+
+    if let Some(reason) = invalid {
+        let garbage_end = buf[pos..]
+            .iter()
+            .rposition(|&b| b != 0)
+            .map_or(pos, |i| pos + i + 1);
+        out.recovered.truncated_bytes += (garbage_end - pos) as u64;
+        out.recovered.tail_error = Some(format!("{}: {reason}", Lsn(base + pos as u64)));
+        // Cut physically: bytes after the cut must never be read again, or a later append that
+        // ends where an old record began would make that record valid again.
+        file.set_len(pos as u64)
+            .and_then(|()| file.sync_all())
+            .map_err(|e| LogError::io(format!("cutting segment {name} at offset {pos}"), e))?;
+    } else {
+        // The records may so far live only in the page cache (the process, not the machine,
+        // crashed). Make them durable before anyone acts on them.
+        file.sync_data()
+            .map_err(|e| LogError::io(format!("syncing recovered segment {name}"), e))?;
+    }
+
+    buf.truncate(pos);
+    buf.shrink_to_fit();
+    let bytes = Bytes::from(buf);
+    for (lsn, tag, range) in found {
+        out.last_lsn = lsn;
+        if lsn >= start {
+            out.recovered.records.push(LogRecord {
+                lsn: Lsn(lsn),
+                tag,
+                payload: bytes.slice(range),
+            });
+        }
+    }
+    Ok(SegmentScan::Kept { end: pos as u64 })
+}
+
+/// For a segment whose header is unusable: `Some(non-zero bytes in the header region)` if no
+/// byte after the header region is non-zero (the segment holds no records), else `None`.
+fn headerless_garbage(dir: &Path, base: u64) -> Result<Option<u64>> {
+    let p = segment::path(dir, base);
+    let bytes = fs::read(&p).map_err(|e| LogError::io(format!("reading {}", p.display()), e))?;
+    let split = bytes.len().min(SEGMENT_HEADER_LEN as usize);
+    if !record::all_zero(&bytes[split..]) {
+        return Ok(None);
+    }
+    Ok(Some(
+        bytes[..split]
+            .iter()
+            .rposition(|&b| b != 0)
+            .map_or(0, |i| i as u64 + 1),
+    ))
+}
+
+/// Removes a segment that lies after the cut, counting its size as truncated.
+fn remove_after_cut(dir: &Path, base: u64, rec: &mut Recovered) -> Result<()> {
+    let p = segment::path(dir, base);
+    let len = fs::metadata(&p)
+        .map_err(|e| LogError::io(format!("inspecting {}", p.display()), e))?
+        .len();
+    fs::remove_file(&p).map_err(|e| LogError::io(format!("removing {}", p.display()), e))?;
+    rec.truncated_bytes += len;
+    rec.segments_removed += 1;
+    Ok(())
+}
+
+/// Removes segments wholly below the log start (left over when a crash interrupted
+/// `truncate_before` after it wrote `log.meta`).
+fn remove_stale(dir: &Path, bases: &[u64]) -> Result<()> {
+    for &base in bases {
+        let p = segment::path(dir, base);
+        fs::remove_file(&p).map_err(|e| LogError::io(format!("removing {}", p.display()), e))?;
+        tracing::info!(segment = %p.display(), "removed segment below the log start");
+    }
+    if !bases.is_empty() {
+        sync_dir(dir)?;
+    }
+    Ok(())
+}
