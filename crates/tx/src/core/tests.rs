@@ -1,0 +1,527 @@
+//! Drives commit cores message by message: scenarios, then a property test
+//! over random delivery orders, losses and duplicates.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+
+fn n(i: u32) -> NodeId {
+    NodeId(i)
+}
+
+fn tid() -> Tid {
+    Tid::new(n(1), Incarnation(1), 7)
+}
+
+/// A tiny deterministic world: one core per node, an in-flight message
+/// queue, a log per node, and what each node's resources were told.
+struct Sim {
+    cores: BTreeMap<NodeId, TxCore>,
+    local_votes: BTreeMap<NodeId, Vote>,
+    queue: VecDeque<(NodeId, NodeId, TxMsg)>,
+    forces: BTreeMap<NodeId, usize>,
+    records: BTreeMap<NodeId, Vec<TmRecord>>,
+    local: BTreeMap<NodeId, Vec<&'static str>>,
+    finished: Option<Outcome>,
+    pending_force: Vec<NodeId>,
+    pending_lazy: Vec<NodeId>,
+    messages: usize,
+    now: Instant,
+}
+
+impl Sim {
+    /// Node 1 coordinates; `edges` are (caller, callee) calls made while the
+    /// transaction ran; `votes` the local vote of every node.
+    fn new(edges: &[(u32, u32)], votes: &[(u32, Vote)]) -> Sim {
+        let cfg = CoreConfig::default();
+        let mut cores = BTreeMap::new();
+        cores.insert(n(1), TxCore::coordinator(tid(), None, cfg));
+        for &(from, to) in edges {
+            cores
+                .entry(n(to))
+                .or_insert_with(|| TxCore::participant(tid(), n(from), None, cfg));
+            let caller = cores.get_mut(&n(from)).expect("caller exists");
+            assert!(caller.add_child(n(to), Incarnation(1)));
+        }
+        Sim {
+            cores,
+            local_votes: votes.iter().map(|(i, v)| (n(*i), v.clone())).collect(),
+            queue: VecDeque::new(),
+            forces: BTreeMap::new(),
+            records: BTreeMap::new(),
+            local: BTreeMap::new(),
+            finished: None,
+            pending_force: Vec::new(),
+            pending_lazy: Vec::new(),
+            messages: 0,
+            now: Instant::now(),
+        }
+    }
+
+    fn input(&mut self, node: NodeId, input: Input) {
+        let Some(core) = self.cores.get_mut(&node) else {
+            return;
+        };
+        let actions = core.step(input);
+        self.run(node, actions);
+    }
+
+    fn run(&mut self, node: NodeId, actions: Vec<Action>) {
+        for a in actions {
+            match a {
+                Action::PrepareLocal { .. } => {
+                    let v = self
+                        .local_votes
+                        .get(&node)
+                        .cloned()
+                        .unwrap_or(Vote::ReadOnly);
+                    self.local.entry(node).or_default().push("prepare");
+                    self.input(node, Input::LocalVote(v));
+                }
+                Action::Send(to, msg) => {
+                    self.messages += 1;
+                    self.queue.push_back((node, to, msg));
+                }
+                Action::Log(rec, d) => {
+                    self.records.entry(node).or_default().push(rec);
+                    match d {
+                        Durability::Force => {
+                            *self.forces.entry(node).or_default() += 1;
+                            self.pending_force.push(node);
+                        }
+                        Durability::Lazy => self.pending_lazy.push(node),
+                        Durability::None => {}
+                    }
+                }
+                Action::CommitLocal => self.local.entry(node).or_default().push("commit"),
+                Action::AbortLocal => self.local.entry(node).or_default().push("abort"),
+                Action::Finished(o) => {
+                    assert!(
+                        self.finished.is_none() || self.finished == Some(o),
+                        "two outcomes"
+                    );
+                    self.finished = Some(o);
+                }
+                Action::Forget(_) => {}
+            }
+        }
+    }
+
+    fn deliver(&mut self, from: NodeId, to: NodeId, msg: TxMsg) {
+        let input = match msg {
+            TxMsg::Prepare { aborted_subs, .. } => Input::Prepare { from, aborted_subs },
+            TxMsg::Vote { vote, .. } => Input::Vote { from, vote },
+            TxMsg::Decision { commit: true, .. } => Input::CommitDecision { from },
+            TxMsg::Decision { commit: false, .. } => Input::AbortNotice {
+                from,
+                reason: "decision".into(),
+            },
+            TxMsg::Ack { .. } => Input::Ack { from },
+            TxMsg::Abort { reason, .. } => Input::AbortNotice { from, reason },
+            TxMsg::Inquire { .. } => {
+                let answer = self
+                    .cores
+                    .get(&to)
+                    .map(|c| c.answer())
+                    .unwrap_or(Answer::Aborted);
+                self.queue
+                    .push_back((to, from, TxMsg::Outcome { tid: tid(), answer }));
+                return;
+            }
+            TxMsg::Outcome { answer, .. } => Input::Answer(answer),
+            other => panic!("unexpected {other:?}"),
+        };
+        self.input(to, input);
+    }
+
+    /// Completes forces and delivers messages until nothing moves.
+    fn settle(&mut self) {
+        loop {
+            if let Some(node) = self.pending_force.pop() {
+                self.input(node, Input::Forced);
+            } else if let Some(node) = self.pending_lazy.pop() {
+                self.input(node, Input::LazyDurable);
+            } else if let Some((from, to, msg)) = self.queue.pop_front() {
+                self.deliver(from, to, msg);
+            } else {
+                return;
+            }
+        }
+    }
+
+    fn tick(&mut self, by: Duration) {
+        self.now += by;
+        let nodes: Vec<NodeId> = self.cores.keys().copied().collect();
+        for node in nodes {
+            self.input(node, Input::Tick(self.now));
+        }
+    }
+
+    fn total_forces(&self) -> usize {
+        self.forces.values().sum()
+    }
+
+    fn did(&self, node: u32, what: &str) -> bool {
+        self.local.get(&n(node)).is_some_and(|v| v.contains(&what))
+    }
+
+    fn phase(&self, node: u32) -> Phase {
+        self.cores[&n(node)].phase().clone()
+    }
+}
+
+const DURABLE: Vote = Vote::Yes { durable: true };
+
+#[test]
+fn read_only_transaction_writes_nothing_and_costs_one_round() {
+    let mut sim = Sim::new(&[(1, 2), (1, 3)], &[]);
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert_eq!(sim.total_forces(), 0);
+    assert!(
+        sim.records.is_empty(),
+        "read-only writes no log record at all"
+    );
+    assert_eq!(sim.messages, 4, "one Prepare and one Vote per participant");
+    for i in 1..=3 {
+        assert_eq!(sim.phase(i), Phase::Done(None));
+    }
+}
+
+#[test]
+fn durable_commit_forces_prepares_and_the_commit_record_only() {
+    let mut sim = Sim::new(&[(1, 2), (1, 3)], &[(2, DURABLE), (3, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert_eq!(
+        sim.forces.get(&n(1)),
+        Some(&1),
+        "the coordinator forces its commit record"
+    );
+    assert_eq!(
+        sim.forces.get(&n(2)),
+        Some(&1),
+        "participants force their prepare record"
+    );
+    assert_eq!(sim.forces.get(&n(3)), Some(&1));
+    assert!(sim.did(2, "commit") && sim.did(3, "commit") && sim.did(1, "commit"));
+    assert!(matches!(
+        sim.records[&n(1)].last(),
+        Some(TmRecord::End { .. })
+    ));
+    assert_eq!(
+        sim.messages, 8,
+        "prepare, vote, decision, ack per participant"
+    );
+    for i in 1..=3 {
+        assert_eq!(sim.phase(i), Phase::Done(Some(Outcome::Committed)));
+    }
+}
+
+#[test]
+fn a_read_only_branch_leaves_phase_two() {
+    let mut sim = Sim::new(&[(1, 2), (1, 3)], &[(2, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert_eq!(sim.phase(3), Phase::Done(None));
+    assert!(
+        !sim.did(3, "commit"),
+        "read-only node 3 never hears the outcome"
+    );
+    assert_eq!(sim.messages, 6);
+}
+
+#[test]
+fn a_no_vote_aborts_everyone_without_forcing_an_abort() {
+    let mut sim = Sim::new(
+        &[(1, 2), (1, 3)],
+        &[(2, DURABLE), (3, Vote::No("full".into()))],
+    );
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Aborted));
+    assert!(sim.did(2, "abort") && sim.did(1, "abort"));
+    assert!(!sim.did(2, "commit"));
+    assert!(!sim.forces.contains_key(&n(1)), "aborts are never forced");
+}
+
+#[test]
+fn a_tree_of_processes_votes_per_subtree() {
+    // 1 -> 2 -> 4, 1 -> 3; node 4 holds durable state, node 2 none itself.
+    let mut sim = Sim::new(&[(1, 2), (2, 4), (1, 3)], &[(4, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert!(sim.did(4, "commit"));
+    assert_eq!(
+        sim.forces.get(&n(2)),
+        Some(&1),
+        "node 2 votes for a durable subtree"
+    );
+    assert!(matches!(
+        sim.records[&n(2)][0],
+        TmRecord::Prepared {
+            parent: NodeId(1),
+            ..
+        }
+    ));
+    assert_eq!(sim.phase(3), Phase::Done(None));
+}
+
+#[test]
+fn a_cycle_back_to_the_coordinator_commits() {
+    let mut sim = Sim::new(&[(1, 2), (2, 1)], &[(2, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert!(sim.did(2, "commit"));
+}
+
+#[test]
+fn a_node_with_two_parents_votes_once() {
+    // 1 -> 2 -> 3 and 1 -> 3: node 3 answers the first Prepare it gets.
+    let mut sim = Sim::new(&[(1, 2), (2, 3), (1, 3)], &[(3, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert!(sim.did(3, "commit"));
+    assert_eq!(sim.forces.get(&n(3)), Some(&1));
+}
+
+#[test]
+fn lost_messages_are_retransmitted() {
+    let mut sim = Sim::new(&[(1, 2)], &[(2, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    sim.queue.clear(); // the Prepare is lost
+    sim.tick(Duration::ZERO);
+    sim.tick(Duration::from_millis(250));
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    // Now lose the Ack: the coordinator keeps sending the decision.
+    let mut sim = Sim::new(&[(1, 2)], &[(2, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    while let Some((from, to, msg)) = sim.queue.pop_front() {
+        if matches!(msg, TxMsg::Ack { .. }) {
+            continue;
+        }
+        sim.deliver(from, to, msg);
+        while let Some(node) = sim.pending_force.pop() {
+            sim.input(node, Input::Forced);
+        }
+        while let Some(node) = sim.pending_lazy.pop() {
+            sim.input(node, Input::LazyDurable);
+        }
+    }
+    assert_eq!(sim.phase(1), Phase::Committing);
+    sim.tick(Duration::ZERO);
+    sim.tick(Duration::from_millis(250));
+    sim.settle();
+    assert_eq!(sim.phase(1), Phase::Done(Some(Outcome::Committed)));
+}
+
+#[test]
+fn an_in_doubt_participant_inquires_and_learns_the_outcome() {
+    let mut sim = Sim::new(&[(1, 2)], &[(2, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    // Deliver everything but the coordinator's decision, which is lost.
+    while let Some((from, to, msg)) = sim.queue.pop_front() {
+        if matches!(msg, TxMsg::Decision { .. }) {
+            continue;
+        }
+        sim.deliver(from, to, msg);
+        while let Some(node) = sim.pending_force.pop() {
+            sim.input(node, Input::Forced);
+        }
+    }
+    assert_eq!(sim.phase(2), Phase::Prepared);
+    // The coordinator's retransmission is lost too; node 2 asks on its own.
+    sim.tick(Duration::ZERO);
+    sim.tick(Duration::from_millis(250));
+    sim.queue.retain(|(from, _, _)| *from == n(2));
+    assert!(sim
+        .queue
+        .iter()
+        .any(|(_, _, m)| matches!(m, TxMsg::Inquire { .. })));
+    sim.settle();
+    assert!(sim.did(2, "commit"));
+}
+
+#[test]
+fn a_dead_participant_aborts_an_active_transaction_and_everyone_is_told() {
+    let mut sim = Sim::new(&[(1, 2), (2, 3)], &[(2, DURABLE), (3, DURABLE)]);
+    sim.input(n(2), Input::PeerDead(n(3)));
+    sim.settle();
+    assert!(sim.did(2, "abort"));
+    assert!(
+        sim.did(1, "abort"),
+        "termination notification reached the coordinator"
+    );
+    assert_eq!(sim.phase(1), Phase::Done(Some(Outcome::Aborted)));
+    assert_eq!(
+        sim.finished,
+        Some(Outcome::Aborted),
+        "a waiting commit learns it"
+    );
+    assert!(sim
+        .cores
+        .get_mut(&n(1))
+        .unwrap()
+        .step(Input::Commit)
+        .is_empty());
+}
+
+#[test]
+fn the_deadline_aborts_an_active_transaction() {
+    let cfg = CoreConfig::default();
+    let start = Instant::now();
+    let mut core = TxCore::coordinator(tid(), Some(start + Duration::from_secs(1)), cfg);
+    assert!(core.add_child(n(2), Incarnation(1)));
+    assert!(core.step(Input::Tick(start)).is_empty());
+    let acts = core.step(Input::Tick(start + Duration::from_secs(2)));
+    assert!(
+        acts.contains(&Action::Finished(Outcome::Aborted)),
+        "{acts:?}"
+    );
+    assert!(acts
+        .iter()
+        .any(|a| matches!(a, Action::Send(NodeId(2), TxMsg::Abort { .. }))));
+    assert!(
+        !core.add_child(n(3), Incarnation(1)),
+        "an ended transaction takes no more calls"
+    );
+}
+
+#[test]
+fn in_doubt_branches_ignore_local_aborts_and_dead_parents() {
+    let cfg = CoreConfig::default();
+    let mut core = TxCore::recovered_prepared(tid(), n(1), vec![], cfg);
+    assert!(core.step(Input::Abort("app".into())).is_empty());
+    assert!(core.step(Input::PeerDead(n(1))).is_empty());
+    assert!(core.in_doubt());
+    let acts = core.step(Input::Answer(Answer::Committed));
+    assert!(acts.contains(&Action::CommitLocal));
+}
+
+/// Runs one transaction over a random tree with random local votes, with
+/// random delivery order, losses and duplicates, ticking time forward, and
+/// checks atomicity: no node both commits and aborts, every node that
+/// commits does so only if the coordinator finished with Committed, and when
+/// the coordinator committed, every durable branch commits.
+fn run_random(seed: u64) -> Result<(), String> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let size = rng.gen_range(2..6u32);
+    let mut edges = Vec::new();
+    for child in 2..=size {
+        edges.push((rng.gen_range(1..child), child));
+    }
+    if rng.gen_bool(0.3) {
+        let a = rng.gen_range(1..=size);
+        let b = rng.gen_range(2..=size);
+        if a != b {
+            edges.push((a, b));
+        }
+    }
+    let mut votes = Vec::new();
+    for i in 1..=size {
+        let v = match rng.gen_range(0..10) {
+            0 => Vote::No("random".into()),
+            1..=4 => Vote::ReadOnly,
+            5 => Vote::Yes { durable: false },
+            _ => DURABLE,
+        };
+        votes.push((i, v));
+    }
+    let mut sim = Sim::new(&edges, &votes);
+    let drop_p = rng.gen_range(0.0..0.3);
+    sim.input(n(1), Input::Commit);
+    for _round in 0..400 {
+        if rng.gen_bool(0.2) {
+            sim.tick(Duration::from_millis(rng.gen_range(0..400)));
+        }
+        if let Some(node) = (!sim.pending_force.is_empty()).then(|| sim.pending_force.remove(0)) {
+            sim.input(node, Input::Forced);
+        }
+        if let Some(node) = (!sim.pending_lazy.is_empty()).then(|| sim.pending_lazy.remove(0)) {
+            sim.input(node, Input::LazyDurable);
+        }
+        if sim.queue.is_empty() {
+            continue;
+        }
+        let i = rng.gen_range(0..sim.queue.len());
+        let (from, to, msg) = sim.queue.remove(i).expect("index in range");
+        if rng.gen_bool(drop_p) {
+            continue;
+        }
+        if rng.gen_bool(0.1) {
+            sim.queue.push_back((from, to, msg.clone()));
+        }
+        sim.deliver(from, to, msg);
+    }
+    // Calm network: let retransmissions finish the job.
+    for _ in 0..50 {
+        sim.settle();
+        sim.tick(Duration::from_secs(6));
+    }
+    sim.settle();
+    let report = || {
+        format!(
+            "seed {seed}: edges {edges:?} votes {votes:?} local {:?}",
+            sim.local
+        )
+    };
+    for (node, acts) in &sim.local {
+        if acts.contains(&"commit") && acts.contains(&"abort") {
+            return Err(format!(
+                "node {node:?} both committed and aborted; {}",
+                report()
+            ));
+        }
+        if acts.contains(&"commit") && sim.finished != Some(Outcome::Committed) {
+            return Err(format!(
+                "node {node:?} committed but the outcome is {:?}; {}",
+                sim.finished,
+                report()
+            ));
+        }
+    }
+    if sim.finished.is_none() {
+        return Err(format!("the coordinator never finished; {}", report()));
+    }
+    if sim.finished == Some(Outcome::Committed) {
+        for (i, v) in &votes {
+            if matches!(v, Vote::Yes { .. }) && !sim.did(*i, "commit") {
+                return Err(format!(
+                    "node {i} voted yes but never committed; {}",
+                    report()
+                ));
+            }
+        }
+    }
+    for (node, core) in &sim.cores {
+        if !matches!(core.phase(), Phase::Done(_)) && core.phase() != &Phase::Active {
+            return Err(format!(
+                "node {node:?} stuck in {:?}; {}",
+                core.phase(),
+                report()
+            ));
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #[test]
+    fn atomicity_holds_under_loss_duplication_and_reordering(seed in any::<u64>()) {
+        if let Err(e) = run_random(seed) {
+            prop_assert!(false, "{}", e);
+        }
+    }
+}

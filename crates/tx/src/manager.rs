@@ -1,0 +1,1287 @@
+//! The transaction manager of one node: drives a [`TxCore`] per transaction
+//! with real I/O (the node's log, the transport, the local resources, timers)
+//! and keeps the participant tree that calls build.
+//!
+//! Owns the transaction table, tombstones of finished transactions, the
+//! resources enlisted per transaction and the hooks the RPC layer calls on
+//! every outgoing and incoming call. Must never decide anything itself: every
+//! protocol decision is the core's; this module only carries actions out and
+//! feeds events in, never holding a transaction's lock while doing I/O.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{oneshot, Notify};
+use tracing::Instrument;
+use weft_log::{ForceIntent, Log};
+use weft_transport::{Endpoint, MembershipEvent, PeerRef, PortHandler};
+use weft_wire::{
+    Baggage, Failure, Incarnation, NodeId, Payload, PeerRole, Port, Status, SubPath, Tid, TxContext,
+};
+
+use crate::core::{late, Action, CoreConfig, Durability, Input, Phase, TxCore};
+use crate::msg::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
+use crate::resource::{ParticipationClass, Resource};
+
+/// Configuration of a transaction manager.
+#[derive(Clone, Debug)]
+pub struct TmConfig {
+    /// Retransmission timing of the commit protocol.
+    pub core: CoreConfig,
+    /// Deadline of a transaction begun without one.
+    pub default_timeout: Duration,
+    /// How often timers (deadlines, retransmissions, inquiries) are checked.
+    pub tick: Duration,
+    /// Finished transactions remembered to answer late messages.
+    pub tombstones: usize,
+    /// How long an incoming call waits for the coordinator to adopt this
+    /// node when a client (not a member) brought the transaction here.
+    pub enlist_timeout: Duration,
+}
+
+impl Default for TmConfig {
+    fn default() -> Self {
+        TmConfig {
+            core: CoreConfig::default(),
+            default_timeout: Duration::from_secs(60),
+            tick: Duration::from_millis(20),
+            tombstones: 100_000,
+            enlist_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A transaction as listed by `weft tx list`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TxStatus {
+    /// The transaction.
+    pub tid: Tid,
+    /// True at the coordinator.
+    pub coordinator: bool,
+    /// Phase name (active, preparing, forcing, prepared, committing).
+    pub phase: String,
+    /// True when prepared and waiting for the outcome.
+    pub in_doubt: bool,
+    /// The node that called this branch first.
+    pub parent: Option<NodeId>,
+    /// Nodes this branch called.
+    pub children: Vec<NodeId>,
+    /// Local resources enlisted.
+    pub resources: Vec<String>,
+    /// Calls still running here.
+    pub active_calls: usize,
+    /// Age in milliseconds.
+    pub age_ms: u64,
+}
+
+/// What recovery found about a transaction in this node's log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Recovered {
+    /// Committed (its effects must be redone).
+    Committed,
+    /// Aborted, or never prepared here (presumed abort).
+    Aborted,
+    /// Prepared, outcome unknown: the branch must stay ready and locked until
+    /// the transaction manager learns the outcome.
+    InDoubt,
+}
+
+/// What recovery did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoveryReport {
+    /// Transactions found committed whose phase two is driven again.
+    pub redriven: Vec<Tid>,
+    /// Transactions in doubt (asking their parent).
+    pub in_doubt: Vec<Tid>,
+    /// Transactions found committed and complete.
+    pub committed: usize,
+    /// Transactions found aborted.
+    pub aborted: usize,
+}
+
+/// Counters of the transaction manager.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TmStats {
+    /// Transactions begun here.
+    pub begun: u64,
+    /// Transactions this node coordinated that committed.
+    pub committed: u64,
+    /// Of those, read-only ones (no log write at all).
+    pub committed_read_only: u64,
+    /// Transactions this node coordinated that aborted.
+    pub aborted: u64,
+    /// Log records forced by the transaction manager.
+    pub forced_records: u64,
+    /// Protocol messages sent.
+    pub messages: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    begun: AtomicU64,
+    committed: AtomicU64,
+    committed_read_only: AtomicU64,
+    aborted: AtomicU64,
+    forced_records: AtomicU64,
+    messages: AtomicU64,
+}
+
+struct Enlisted {
+    resource: Arc<dyn Resource>,
+    class: ParticipationClass,
+}
+
+struct SlotState {
+    core: TxCore,
+    enlisted: Vec<Enlisted>,
+    active_calls: usize,
+    waiters: Vec<oneshot::Sender<Outcome>>,
+    outcome: Option<Outcome>,
+    created: Instant,
+    next_sub: HashMap<SubPath, u32>,
+    baggage: Baggage,
+    intent: Option<ForceIntent>,
+    wrote_durable: bool,
+    /// The first TM record of this transaction in the log: the log must be
+    /// kept from here until the transaction is forgotten.
+    first_lsn: Option<weft_log::Lsn>,
+}
+
+struct Slot {
+    tid: Tid,
+    state: Mutex<SlotState>,
+    calls_done: Notify,
+}
+
+struct Tombstones {
+    map: HashMap<Tid, Option<Outcome>>,
+    order: VecDeque<Tid>,
+    cap: usize,
+}
+
+impl Tombstones {
+    fn insert(&mut self, tid: Tid, outcome: Option<Outcome>) {
+        if self.map.insert(tid, outcome).is_none() {
+            self.order.push_back(tid);
+            if self.order.len() > self.cap {
+                if let Some(old) = self.order.pop_front() {
+                    self.map.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+struct TmInner {
+    node: NodeId,
+    incarnation: Incarnation,
+    endpoint: Endpoint,
+    log: Log,
+    cfg: TmConfig,
+    seq: AtomicU64,
+    txs: Mutex<HashMap<Tid, Arc<Slot>>>,
+    tombstones: Mutex<Tombstones>,
+    resources: RwLock<Vec<Arc<dyn Resource>>>,
+    recovered: Mutex<HashMap<Tid, Recovered>>,
+    enlists: Mutex<HashMap<u64, oneshot::Sender<bool>>>,
+    enlist_ids: AtomicU64,
+    counters: Counters,
+}
+
+/// The transaction manager of one node. Cheap to clone.
+#[derive(Clone)]
+pub struct TxManager {
+    inner: Arc<TmInner>,
+}
+
+/// Keeps a transaction's "call in progress" count up while a handler runs;
+/// PREPARE at this node waits for every such call to finish.
+#[must_use = "the call counts as running until the guard is dropped"]
+pub struct CallGuard {
+    slot: Option<Arc<Slot>>,
+}
+
+impl CallGuard {
+    /// True when the transaction aborted while the call ran.
+    pub fn aborted(&self) -> bool {
+        self.slot
+            .as_ref()
+            .is_some_and(|s| s.state.lock().outcome == Some(Outcome::Aborted))
+    }
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            let zero = {
+                let mut st = slot.state.lock();
+                st.active_calls = st.active_calls.saturating_sub(1);
+                st.active_calls == 0
+            };
+            if zero {
+                slot.calls_done.notify_waiters();
+            }
+        }
+    }
+}
+
+struct TxPort(Weak<TmInner>);
+
+impl PortHandler for TxPort {
+    fn on_message(&self, from: PeerRef, payload: Payload) {
+        let Some(inner) = self.0.upgrade() else {
+            return;
+        };
+        match payload.decode::<TxMsg>() {
+            Ok(msg) => inner.on_msg(from.node, msg),
+            Err(e) => tracing::warn!(peer = %from.node, "undecodable transaction message: {e}"),
+        }
+    }
+}
+
+fn phase_name(p: &Phase) -> &'static str {
+    match p {
+        Phase::Active => "active",
+        Phase::Preparing => "preparing",
+        Phase::Forcing => "forcing",
+        Phase::Prepared => "prepared",
+        Phase::Committing => "committing",
+        Phase::Done(_) => "done",
+    }
+}
+
+impl TxManager {
+    /// Starts the transaction manager of the node behind `endpoint`, logging
+    /// to `log`. Registers the transaction port and the membership listener
+    /// and starts the timer task. Call [`TxManager::recover`] before taking
+    /// work when the log holds records.
+    pub fn start(endpoint: Endpoint, log: Log, cfg: TmConfig) -> TxManager {
+        let inner = Arc::new(TmInner {
+            node: endpoint.node_id(),
+            incarnation: endpoint.incarnation(),
+            endpoint: endpoint.clone(),
+            log,
+            seq: AtomicU64::new(1),
+            txs: Mutex::new(HashMap::new()),
+            tombstones: Mutex::new(Tombstones {
+                map: HashMap::new(),
+                order: VecDeque::new(),
+                cap: cfg.tombstones.max(1),
+            }),
+            resources: RwLock::new(Vec::new()),
+            recovered: Mutex::new(HashMap::new()),
+            enlists: Mutex::new(HashMap::new()),
+            enlist_ids: AtomicU64::new(1),
+            counters: Counters::default(),
+            cfg,
+        });
+        endpoint.set_port_handler(Port::TX, Arc::new(TxPort(Arc::downgrade(&inner))));
+        let weak = Arc::downgrade(&inner);
+        endpoint.on_membership(move |event| {
+            let node = match event {
+                MembershipEvent::Left { node, .. } => *node,
+                _ => return,
+            };
+            if let Some(inner) = weak.upgrade() {
+                // Listeners must not block: hand the work to a task.
+                tokio::spawn(async move { inner.peer_dead(node) });
+            }
+        });
+        tokio::spawn(TmInner::timer_task(Arc::downgrade(&inner)));
+        TxManager { inner }
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> NodeId {
+        self.inner.node
+    }
+
+    /// The node's log.
+    pub fn log(&self) -> &Log {
+        &self.inner.log
+    }
+
+    /// The node's transport endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.inner.endpoint
+    }
+
+    /// Registers a node-level resource manager: it is enlisted in every
+    /// transaction recovered from the log (it must ignore outcomes of
+    /// branches it does not hold).
+    pub fn register_resource(&self, resource: Arc<dyn Resource>) {
+        self.inner.resources.write().push(resource);
+    }
+
+    /// Begins a transaction coordinated by this node. `timeout` bounds its
+    /// life (the configured default when `None`); past it, it aborts.
+    pub fn begin(&self, timeout: Option<Duration>) -> TxContext {
+        let inner = &self.inner;
+        let seq = inner.seq.fetch_add(1, Ordering::Relaxed);
+        let tid = Tid::new(inner.node, inner.incarnation, seq);
+        let timeout = timeout.unwrap_or(inner.cfg.default_timeout);
+        let deadline = Instant::now() + timeout;
+        let core = TxCore::coordinator(tid, Some(deadline), inner.cfg.core);
+        inner.insert_slot(tid, core);
+        inner.counters.begun.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%tid, "begin");
+        TxContext {
+            tid,
+            path: SubPath::top(),
+            budget_us: Some(timeout.as_micros().min(u64::MAX as u128) as u64),
+            baggage: Baggage::default(),
+        }
+    }
+
+    /// Records that this node is about to call `to` on behalf of the
+    /// transaction in `ctx`: `to` becomes a child in the participant tree.
+    ///
+    /// Fails with Aborted when the transaction is no longer active here
+    /// (aborted, committing) and NoSuchTransaction when it is unknown here.
+    pub fn on_call_out(&self, ctx: &TxContext, to: NodeId) -> Result<(), Failure> {
+        let inner = &self.inner;
+        let slot = inner.slot(ctx.tid).ok_or_else(|| inner.unknown(ctx.tid))?;
+        let incarnation = inner.endpoint.peer_incarnation(to).unwrap_or_default();
+        let mut st = slot.state.lock();
+        if to == inner.node {
+            // A call to this node itself adds no edge to the tree.
+            return if st.core.is_active() {
+                Ok(())
+            } else {
+                Err(not_active(ctx.tid, &st))
+            };
+        }
+        if st.core.add_child(to, incarnation) {
+            Ok(())
+        } else {
+            Err(not_active(ctx.tid, &st))
+        }
+    }
+
+    /// Records that a call on behalf of `ctx` arrived from `from` for a
+    /// service (or resource) of class `class`: this node joins the
+    /// transaction (becoming the caller's child) if it had not, the resource
+    /// is enlisted, and the returned guard marks the call as running.
+    ///
+    /// Fails with Aborted when the transaction already ended here (a late
+    /// request), NotCoordinator-free but Aborted/NoSuchTransaction when a
+    /// call to the coordinator names a transaction it does not run, and
+    /// TimedOut/HostDead when a client brought the transaction and its
+    /// coordinator cannot be reached to adopt this node.
+    pub async fn on_call_in(
+        &self,
+        ctx: &TxContext,
+        from: PeerRef,
+        resource: Option<(Arc<dyn Resource>, ParticipationClass)>,
+    ) -> Result<CallGuard, Failure> {
+        let inner = &self.inner;
+        let tid = ctx.tid;
+        let slot = match inner.slot(tid) {
+            Some(s) => s,
+            None => {
+                if tid.node == inner.node {
+                    return Err(inner.unknown(tid));
+                }
+                if let Some(outcome) = inner.tombstones.lock().map.get(&tid) {
+                    return Err(Failure::new(
+                        Status::Aborted,
+                        format!("transaction {tid} already ended here ({outcome:?})"),
+                    ));
+                }
+                let deadline = ctx
+                    .budget_us
+                    .map(|us| Instant::now() + Duration::from_micros(us))
+                    .or_else(|| Some(Instant::now() + inner.cfg.default_timeout));
+                let parent = if from.role == PeerRole::Node {
+                    from.node
+                } else {
+                    // A client brought the transaction: ask its coordinator to
+                    // adopt this node, so commit reaches it.
+                    inner.enlist_with_coordinator(tid).await?;
+                    tid.node
+                };
+                let core = TxCore::participant(tid, parent, deadline, inner.cfg.core);
+                inner.insert_slot_if_absent(tid, core)
+            }
+        };
+        let mut st = slot.state.lock();
+        if !st.core.is_active() {
+            return Err(not_active(tid, &st));
+        }
+        st.active_calls += 1;
+        if !ctx.baggage.is_empty() {
+            merge_baggage(&mut st.baggage, &ctx.baggage);
+        }
+        if let Some((r, class)) = resource {
+            enlist(&mut st, r, class);
+        }
+        drop(st);
+        Ok(CallGuard { slot: Some(slot) })
+    }
+
+    /// Enlists a resource in a transaction active at this node (explicit
+    /// enlistment, e.g. a PostgreSQL connection).
+    ///
+    /// Fails with NoSuchTransaction when unknown here, Aborted when no longer
+    /// active.
+    pub fn enlist(&self, tid: Tid, resource: Arc<dyn Resource>) -> Result<(), Failure> {
+        let inner = &self.inner;
+        let slot = inner.slot(tid).ok_or_else(|| inner.unknown(tid))?;
+        let mut st = slot.state.lock();
+        if !st.core.is_active() {
+            return Err(not_active(tid, &st));
+        }
+        let class = resource.class();
+        enlist(&mut st, resource, class);
+        Ok(())
+    }
+
+    /// Commits a transaction this node created: two-phase commit down the
+    /// participant tree. Returns when the outcome is decided (phase two
+    /// continues in the background).
+    ///
+    /// Fails with NotCoordinator when another node created it,
+    /// NoSuchTransaction when unknown, Aborted when it aborted (a No vote, a
+    /// dead participant, the deadline, an abort by any participant), InDoubt
+    /// when the commit record could not be forced (the log failed).
+    pub async fn commit(&self, tid: Tid) -> Result<(), Failure> {
+        let inner = &self.inner;
+        if tid.node != inner.node || tid.incarnation != inner.incarnation {
+            return Err(Failure::new(
+                Status::NotCoordinator,
+                format!(
+                    "only node {} (incarnation {}) can commit {tid}",
+                    tid.node, tid.incarnation
+                ),
+            ));
+        }
+        let slot = inner.slot(tid).ok_or_else(|| inner.unknown(tid))?;
+        let rx = {
+            let mut st = slot.state.lock();
+            if let Some(o) = st.outcome {
+                return outcome_result(tid, o);
+            }
+            let (tx, rx) = oneshot::channel();
+            st.waiters.push(tx);
+            if st.intent.is_none()
+                && st
+                    .enlisted
+                    .iter()
+                    .any(|e| e.class == ParticipationClass::TwoPhase)
+            {
+                st.intent = Some(inner.log.intent());
+            }
+            rx
+        };
+        let span = tracing::debug_span!("commit", %tid);
+        inner.input(&slot, Input::Commit).instrument(span).await;
+        match rx.await {
+            Ok(o) => outcome_result(tid, o),
+            Err(_) => Err(Failure::new(
+                Status::InDoubt,
+                format!("{tid}: the commit record could not be made durable"),
+            )),
+        }
+    }
+
+    /// Aborts a transaction at this node (any participant may): the
+    /// abort spreads up and down the tree. No effect when it is already
+    /// decided or in doubt here.
+    ///
+    /// Fails with NoSuchTransaction when unknown here.
+    pub async fn abort(&self, tid: Tid, reason: &str) -> Result<(), Failure> {
+        let inner = &self.inner;
+        let slot = inner.slot(tid).ok_or_else(|| inner.unknown(tid))?;
+        inner.input(&slot, Input::Abort(reason.to_string())).await;
+        Ok(())
+    }
+
+    /// Starts a sub-transaction of the (sub-)transaction in `ctx`; returns
+    /// its context. Calls made with it run in the sub-transaction.
+    ///
+    /// Fails with NoSuchTransaction / Aborted when the transaction is not
+    /// active here.
+    pub fn sub_begin(&self, ctx: &TxContext) -> Result<TxContext, Failure> {
+        let inner = &self.inner;
+        let slot = inner.slot(ctx.tid).ok_or_else(|| inner.unknown(ctx.tid))?;
+        let mut st = slot.state.lock();
+        if !st.core.is_active() {
+            return Err(not_active(ctx.tid, &st));
+        }
+        let n = st.next_sub.entry(ctx.path.clone()).or_insert(0);
+        *n += 1;
+        let path = ctx.path.child(*n);
+        Ok(TxContext {
+            path,
+            ..ctx.clone()
+        })
+    }
+
+    /// Ends a sub-transaction: committed into its parent (its effects and
+    /// locks pass to the parent) or aborted (its effects are undone, the
+    /// parent goes on). Every node the sub-transaction reached is told.
+    ///
+    /// Fails with NoSuchTransaction / Aborted when the transaction is not
+    /// active here, BadRequest for the top-level path.
+    pub fn sub_end(&self, tid: Tid, path: &SubPath, committed: bool) -> Result<(), Failure> {
+        if path.is_top() {
+            return Err(Failure::new(
+                Status::BadRequest,
+                "the top level is not a sub-transaction",
+            ));
+        }
+        self.inner.sub_ended(tid, path, committed, None)
+    }
+
+    /// The deadline of `tid` as this node knows it (`None` when unknown here
+    /// or without one).
+    pub fn deadline(&self, tid: Tid) -> Option<Instant> {
+        self.inner
+            .slot(tid)
+            .and_then(|s| s.state.lock().core.deadline())
+    }
+
+    /// The baggage merged at this node for `tid`.
+    pub fn baggage(&self, tid: Tid) -> Option<Baggage> {
+        self.inner.slot(tid).map(|s| s.state.lock().baggage.clone())
+    }
+
+    /// Merges baggage returned by a call into the transaction's baggage.
+    pub fn merge_baggage(&self, tid: Tid, baggage: &Baggage) {
+        if let Some(slot) = self.inner.slot(tid) {
+            merge_baggage(&mut slot.state.lock().baggage, baggage);
+        }
+    }
+
+    /// The status of a transaction at this node, or what is remembered of it.
+    pub fn status(&self, tid: Tid) -> Option<TxStatus> {
+        self.inner.slot(tid).map(|s| self.inner.describe(&s))
+    }
+
+    /// The outcome remembered for a finished transaction (`Some(None)` for a
+    /// read-only branch), or `None` when it is live or unknown.
+    pub fn finished_outcome(&self, tid: Tid) -> Option<Option<Outcome>> {
+        self.inner.tombstones.lock().map.get(&tid).copied()
+    }
+
+    /// Every transaction live at this node, oldest first.
+    pub fn list(&self) -> Vec<TxStatus> {
+        let slots: Vec<Arc<Slot>> = self.inner.txs.lock().values().cloned().collect();
+        let mut v: Vec<TxStatus> = slots.iter().map(|s| self.inner.describe(s)).collect();
+        v.sort_by_key(|s| std::cmp::Reverse(s.age_ms));
+        v
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> TmStats {
+        let c = &self.inner.counters;
+        TmStats {
+            begun: c.begun.load(Ordering::Relaxed),
+            committed: c.committed.load(Ordering::Relaxed),
+            committed_read_only: c.committed_read_only.load(Ordering::Relaxed),
+            aborted: c.aborted.load(Ordering::Relaxed),
+            forced_records: c.forced_records.load(Ordering::Relaxed),
+            messages: c.messages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// What recovery found about `tid` (resources ask this while redoing).
+    pub fn recovered(&self, tid: Tid) -> Option<Recovered> {
+        self.inner.recovered.lock().get(&tid).copied()
+    }
+
+    /// The lowest log position the transaction manager still needs: the
+    /// first record of the oldest transaction that has written one and is
+    /// not finished. `None` when no live transaction needs the log (any
+    /// prefix may be truncated as far as the transaction manager goes).
+    pub fn low_water(&self) -> Option<weft_log::Lsn> {
+        let slots: Vec<Arc<Slot>> = self.inner.txs.lock().values().cloned().collect();
+        slots.iter().filter_map(|s| s.state.lock().first_lsn).min()
+    }
+
+    /// Replays the transaction manager's records from the log: re-drives
+    /// phase two of committed transactions that did not end, and puts
+    /// prepared transactions without an outcome in doubt (they ask their
+    /// parent, with backoff, until they learn it). Every registered resource
+    /// is enlisted in those transactions.
+    pub fn recover(&self, records: &[weft_log::LogRecord]) -> RecoveryReport {
+        crate::recovery::recover(self, records)
+    }
+
+    pub(crate) fn install_recovered(
+        &self,
+        tid: Tid,
+        core: TxCore,
+        state: Recovered,
+        first_lsn: weft_log::Lsn,
+    ) {
+        let inner = &self.inner;
+        inner.recovered.lock().insert(tid, state);
+        if matches!(state, Recovered::Committed | Recovered::InDoubt)
+            && matches!(core.phase(), Phase::Prepared | Phase::Committing)
+        {
+            let slot = inner.insert_slot(tid, core);
+            let resources = inner.resources.read().clone();
+            let mut st = slot.state.lock();
+            st.wrote_durable = true;
+            st.first_lsn = Some(first_lsn);
+            for r in resources {
+                let class = r.class();
+                enlist(&mut st, r, class);
+            }
+        }
+    }
+
+    pub(crate) fn note_recovered(&self, tid: Tid, state: Recovered) {
+        self.inner.recovered.lock().insert(tid, state);
+        let outcome = match state {
+            Recovered::Committed => Some(Outcome::Committed),
+            Recovered::Aborted => Some(Outcome::Aborted),
+            Recovered::InDoubt => return,
+        };
+        self.inner.tombstones.lock().insert(tid, outcome);
+    }
+
+    pub(crate) fn core_config(&self) -> CoreConfig {
+        self.inner.cfg.core
+    }
+
+    /// Feeds a tick now (tests use it to avoid waiting for the timer).
+    pub async fn tick(&self) {
+        self.inner.tick_all().await;
+    }
+}
+
+fn outcome_result(tid: Tid, o: Outcome) -> Result<(), Failure> {
+    match o {
+        Outcome::Committed => Ok(()),
+        Outcome::Aborted => Err(Failure::new(
+            Status::Aborted,
+            format!("transaction {tid} aborted"),
+        )),
+    }
+}
+
+fn not_active(tid: Tid, st: &SlotState) -> Failure {
+    match st.outcome {
+        Some(Outcome::Aborted) => {
+            Failure::new(Status::Aborted, format!("transaction {tid} aborted"))
+        }
+        _ => Failure::new(
+            Status::Aborted,
+            format!(
+                "transaction {tid} is {} here: no more work may join it",
+                phase_name(st.core.phase())
+            ),
+        ),
+    }
+}
+
+fn enlist(st: &mut SlotState, resource: Arc<dyn Resource>, class: ParticipationClass) {
+    if class == ParticipationClass::NoState {
+        return;
+    }
+    if st
+        .enlisted
+        .iter()
+        .any(|e| Arc::ptr_eq(&e.resource, &resource))
+    {
+        return;
+    }
+    st.enlisted.push(Enlisted { resource, class });
+}
+
+/// Last writer wins per key.
+fn merge_baggage(into: &mut Baggage, from: &Baggage) {
+    for item in &from.0 {
+        into.set(item.key.clone(), item.value.clone());
+    }
+}
+
+impl TmInner {
+    fn slot(&self, tid: Tid) -> Option<Arc<Slot>> {
+        self.txs.lock().get(&tid).cloned()
+    }
+
+    fn unknown(&self, tid: Tid) -> Failure {
+        match self.tombstones.lock().map.get(&tid) {
+            Some(Some(Outcome::Aborted)) => {
+                Failure::new(Status::Aborted, format!("transaction {tid} aborted"))
+            }
+            Some(o) => Failure::new(
+                Status::NoSuchTransaction,
+                format!("transaction {tid} already ended here ({o:?})"),
+            ),
+            None => Failure::new(
+                Status::NoSuchTransaction,
+                format!("no transaction {tid} at node {}", self.node),
+            ),
+        }
+    }
+
+    fn new_slot(tid: Tid, core: TxCore) -> Arc<Slot> {
+        Arc::new(Slot {
+            tid,
+            state: Mutex::new(SlotState {
+                core,
+                enlisted: Vec::new(),
+                active_calls: 0,
+                waiters: Vec::new(),
+                outcome: None,
+                created: Instant::now(),
+                next_sub: HashMap::new(),
+                baggage: Baggage::default(),
+                intent: None,
+                wrote_durable: false,
+                first_lsn: None,
+            }),
+            calls_done: Notify::new(),
+        })
+    }
+
+    fn insert_slot(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
+        let slot = TmInner::new_slot(tid, core);
+        self.txs.lock().insert(tid, slot.clone());
+        slot
+    }
+
+    fn insert_slot_if_absent(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
+        self.txs
+            .lock()
+            .entry(tid)
+            .or_insert_with(|| TmInner::new_slot(tid, core))
+            .clone()
+    }
+
+    fn describe(&self, slot: &Slot) -> TxStatus {
+        let st = slot.state.lock();
+        TxStatus {
+            tid: slot.tid,
+            coordinator: st.core.is_coordinator(),
+            phase: phase_name(st.core.phase()).to_string(),
+            in_doubt: st.core.in_doubt(),
+            parent: st.core.voter().or(st.core.parent()),
+            children: st.core.children().into_iter().map(|(n, _)| n).collect(),
+            resources: st
+                .enlisted
+                .iter()
+                .map(|e| e.resource.name().to_string())
+                .collect(),
+            active_calls: st.active_calls,
+            age_ms: st.created.elapsed().as_millis() as u64,
+        }
+    }
+
+    /// Feeds an input to a transaction and carries out the resulting actions.
+    fn input<'a>(
+        self: &'a Arc<Self>,
+        slot: &'a Arc<Slot>,
+        input: Input,
+    ) -> futures::future::BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let actions = slot.state.lock().core.step(input);
+            self.run(slot, actions).await;
+        })
+    }
+
+    async fn run(self: &Arc<Self>, slot: &Arc<Slot>, actions: Vec<Action>) {
+        for action in actions {
+            self.act(slot, action).await;
+        }
+    }
+
+    async fn act(self: &Arc<Self>, slot: &Arc<Slot>, action: Action) {
+        let tid = slot.tid;
+        match action {
+            Action::PrepareLocal { aborted_subs } => {
+                for path in &aborted_subs {
+                    self.apply_sub_end(slot, path, false);
+                }
+                let two_phase = slot
+                    .state
+                    .lock()
+                    .enlisted
+                    .iter()
+                    .any(|e| e.class == ParticipationClass::TwoPhase);
+                if !two_phase && slot.state.lock().active_calls == 0 {
+                    // Nothing durable here: vote without a task hop.
+                    let vote = local_vote_volatile(&slot.state.lock());
+                    self.input(slot, Input::LocalVote(vote)).await;
+                } else {
+                    if two_phase && slot.state.lock().intent.is_none() {
+                        slot.state.lock().intent = Some(self.log.intent());
+                    }
+                    let me = Arc::clone(self);
+                    let slot = Arc::clone(slot);
+                    tokio::spawn(async move {
+                        let vote = me.prepare_local(&slot).await;
+                        me.input(&slot, Input::LocalVote(vote)).await;
+                    });
+                }
+            }
+            Action::Send(to, msg) => {
+                self.counters.messages.fetch_add(1, Ordering::Relaxed);
+                if let Err(f) = self.endpoint.send(to, Port::TX, Payload::local(msg)) {
+                    tracing::debug!(%tid, peer = %to, %f, "protocol message not sent");
+                    if matches!(
+                        f.status,
+                        Status::HostDead | Status::ProcDead | Status::AddrError
+                    ) {
+                        let me = Arc::clone(self);
+                        let slot = Arc::clone(slot);
+                        tokio::spawn(async move { me.input(&slot, Input::PeerDead(to)).await });
+                    }
+                }
+            }
+            Action::Log(record, durability) => self.log_record(slot, record, durability),
+            Action::CommitLocal => {
+                let enlisted = resources_of(slot);
+                if !enlisted.is_empty() {
+                    tokio::spawn(async move {
+                        for (r, class) in enlisted {
+                            match class {
+                                ParticipationClass::TwoPhase => r.commit(tid).await,
+                                ParticipationClass::OnePhase => {
+                                    r.ended(tid, Outcome::Committed).await
+                                }
+                                ParticipationClass::NoState => {}
+                            }
+                        }
+                    });
+                }
+            }
+            Action::AbortLocal => {
+                let enlisted = resources_of(slot);
+                slot.state.lock().outcome = Some(Outcome::Aborted);
+                if !enlisted.is_empty() {
+                    tokio::spawn(async move {
+                        for (r, class) in enlisted {
+                            match class {
+                                ParticipationClass::TwoPhase => r.abort(tid).await,
+                                ParticipationClass::OnePhase => {
+                                    r.ended(tid, Outcome::Aborted).await
+                                }
+                                ParticipationClass::NoState => {}
+                            }
+                        }
+                    });
+                }
+            }
+            Action::Finished(outcome) => {
+                let (waiters, durable) = {
+                    let mut st = slot.state.lock();
+                    st.outcome = Some(outcome);
+                    st.intent = None;
+                    (std::mem::take(&mut st.waiters), st.wrote_durable)
+                };
+                match outcome {
+                    Outcome::Committed => {
+                        self.counters.committed.fetch_add(1, Ordering::Relaxed);
+                        if !durable {
+                            self.counters
+                                .committed_read_only
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Outcome::Aborted => {
+                        self.counters.aborted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                tracing::debug!(%tid, ?outcome, "finished");
+                for w in waiters {
+                    let _ = w.send(outcome);
+                }
+            }
+            Action::Forget(outcome) => {
+                {
+                    let mut st = slot.state.lock();
+                    if st.outcome.is_none() {
+                        st.outcome = outcome;
+                    }
+                    st.intent = None;
+                    for w in std::mem::take(&mut st.waiters) {
+                        let _ = w.send(outcome.unwrap_or(Outcome::Committed));
+                    }
+                }
+                self.txs.lock().remove(&tid);
+                self.tombstones.lock().insert(tid, outcome);
+                slot.calls_done.notify_waiters();
+            }
+        }
+    }
+
+    fn log_record(self: &Arc<Self>, slot: &Arc<Slot>, record: TmRecord, durability: Durability) {
+        let tid = slot.tid;
+        let bytes = match postcard::to_allocvec(&record) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(%tid, "cannot encode log record: {e}");
+                return;
+            }
+        };
+        let lsn = match self.log.append(TM_RECORD_TAG, &bytes) {
+            Ok(l) => {
+                slot.state.lock().first_lsn.get_or_insert(l);
+                l
+            }
+            Err(e) => {
+                tracing::error!(%tid, "log append failed: {e}");
+                self.log_failed(slot, durability);
+                return;
+            }
+        };
+        match durability {
+            Durability::None => {}
+            Durability::Force => {
+                self.counters.forced_records.fetch_add(1, Ordering::Relaxed);
+                let intent = {
+                    let mut st = slot.state.lock();
+                    st.wrote_durable = true;
+                    st.intent.take()
+                };
+                let me = Arc::clone(self);
+                let slot = Arc::clone(slot);
+                tokio::spawn(async move {
+                    let forced = match intent {
+                        Some(i) => i.force(lsn).await,
+                        None => me.log.force(lsn).await,
+                    };
+                    match forced {
+                        Ok(()) => me.input(&slot, Input::Forced).await,
+                        Err(e) => {
+                            tracing::error!(tid = %slot.tid, "log force failed: {e}");
+                            me.log_failed(&slot, Durability::Force);
+                        }
+                    }
+                });
+            }
+            Durability::Lazy => {
+                let me = Arc::clone(self);
+                let slot = Arc::clone(slot);
+                tokio::spawn(async move {
+                    match me.log.when_durable(lsn).await {
+                        Ok(()) => me.input(&slot, Input::LazyDurable).await,
+                        Err(e) => tracing::error!(tid = %slot.tid, "log failed: {e}"),
+                    }
+                });
+            }
+        }
+    }
+
+    /// The log cannot make a record durable. A participant votes No (its
+    /// prepare record may or may not be on disk: recovery will ask and get
+    /// abort); a coordinator cannot know whether its commit record is on
+    /// disk, so its caller hears InDoubt and the node must restart.
+    fn log_failed(self: &Arc<Self>, slot: &Arc<Slot>, durability: Durability) {
+        if durability != Durability::Force {
+            return;
+        }
+        let coordinator = slot.state.lock().core.is_coordinator();
+        if coordinator {
+            // Dropping the waiters makes commit() report InDoubt.
+            slot.state.lock().waiters.clear();
+        } else {
+            let me = Arc::clone(self);
+            let slot = Arc::clone(slot);
+            tokio::spawn(async move {
+                me.input(&slot, Input::Abort("the log failed".into())).await;
+            });
+        }
+    }
+
+    async fn prepare_local(self: &Arc<Self>, slot: &Arc<Slot>) -> Vote {
+        // Late calls still running here finish first (bounded by the
+        // transaction's deadline).
+        loop {
+            let notified = slot.calls_done.notified();
+            let (busy, deadline) = {
+                let st = slot.state.lock();
+                (st.active_calls > 0, st.core.deadline())
+            };
+            if !busy {
+                break;
+            }
+            let wait = deadline
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or(Duration::from_secs(60));
+            if tokio::time::timeout(wait, notified).await.is_err() {
+                return Vote::No("calls still running at the deadline".into());
+            }
+        }
+        let enlisted = resources_of(slot);
+        let mut vote = Vote::ReadOnly;
+        for (r, class) in enlisted {
+            let v = match class {
+                ParticipationClass::TwoPhase => r.prepare(slot.tid, &self.log).await,
+                ParticipationClass::OnePhase => Vote::Yes { durable: false },
+                ParticipationClass::NoState => Vote::ReadOnly,
+            };
+            vote = vote.and(v);
+            if matches!(vote, Vote::No(_)) {
+                break;
+            }
+        }
+        vote
+    }
+
+    fn on_msg(self: &Arc<Self>, from: NodeId, msg: TxMsg) {
+        let me = Arc::clone(self);
+        // Protocol steps may await resources; never block the inbox.
+        tokio::spawn(async move { me.handle_msg(from, msg).await });
+    }
+
+    async fn handle_msg(self: &Arc<Self>, from: NodeId, msg: TxMsg) {
+        let tid = match &msg {
+            TxMsg::Prepare { tid, .. }
+            | TxMsg::Vote { tid, .. }
+            | TxMsg::Decision { tid, .. }
+            | TxMsg::Ack { tid }
+            | TxMsg::Abort { tid, .. }
+            | TxMsg::Inquire { tid }
+            | TxMsg::Outcome { tid, .. }
+            | TxMsg::Enlist { tid, .. }
+            | TxMsg::Enlisted { tid, .. }
+            | TxMsg::SubEnded { tid, .. } => *tid,
+        };
+        let slot = self.slot(tid);
+        let input = match msg {
+            TxMsg::Prepare {
+                incarnation,
+                aborted_subs,
+                ..
+            } => {
+                if slot.is_none() && incarnation != self.incarnation && !self.tombstoned(tid) {
+                    // The caller reached an earlier life of this node: that
+                    // branch's work is gone.
+                    let vote = Vote::No(format!(
+                        "node {} restarted (incarnation {} -> {}): its branch was lost",
+                        self.node, incarnation, self.incarnation
+                    ));
+                    self.send(from, TxMsg::Vote { tid, vote });
+                    return;
+                }
+                Input::Prepare { from, aborted_subs }
+            }
+            TxMsg::Vote { vote, .. } => Input::Vote { from, vote },
+            TxMsg::Decision { commit: true, .. } => Input::CommitDecision { from },
+            TxMsg::Decision { commit: false, .. } => Input::AbortNotice {
+                from,
+                reason: "the parent decided abort".into(),
+            },
+            TxMsg::Ack { .. } => Input::Ack { from },
+            TxMsg::Abort { reason, .. } => Input::AbortNotice { from, reason },
+            TxMsg::Outcome { answer, .. } => Input::Answer(answer),
+            TxMsg::Inquire { .. } => {
+                let answer = match &slot {
+                    Some(s) => s.state.lock().core.answer(),
+                    None => match self.tombstones.lock().map.get(&tid) {
+                        Some(Some(Outcome::Committed)) => Answer::Committed,
+                        // Presumed abort: no record means abort.
+                        _ => Answer::Aborted,
+                    },
+                };
+                self.send(from, TxMsg::Outcome { tid, answer });
+                return;
+            }
+            TxMsg::Enlist { request, .. } => {
+                let ok = match &slot {
+                    Some(s) if tid.node == self.node => {
+                        let inc = self.endpoint.peer_incarnation(from).unwrap_or_default();
+                        s.state.lock().core.add_child(from, inc)
+                    }
+                    _ => false,
+                };
+                self.send(from, TxMsg::Enlisted { tid, request, ok });
+                return;
+            }
+            TxMsg::Enlisted { request, ok, .. } => {
+                if let Some(tx) = self.enlists.lock().remove(&request) {
+                    let _ = tx.send(ok);
+                }
+                return;
+            }
+            TxMsg::SubEnded {
+                path, committed, ..
+            } => {
+                let _ = self.sub_ended(tid, &path, committed, Some(from));
+                return;
+            }
+        };
+        match slot {
+            Some(slot) => self.input(&slot, input).await,
+            None => {
+                let outcome = self.tombstones.lock().map.get(&tid).copied();
+                let actions = match outcome {
+                    Some(o) => late(tid, o, input),
+                    None => match input {
+                        // Never heard of it: the request never arrived here.
+                        Input::Prepare { from, .. } => {
+                            self.tombstones.lock().insert(tid, None);
+                            vec![Action::Send(
+                                from,
+                                TxMsg::Vote {
+                                    tid,
+                                    vote: Vote::ReadOnly,
+                                },
+                            )]
+                        }
+                        Input::CommitDecision { from } => {
+                            vec![Action::Send(from, TxMsg::Ack { tid })]
+                        }
+                        Input::AbortNotice { .. } => {
+                            // Refuse late calls of this transaction.
+                            self.tombstones.lock().insert(tid, Some(Outcome::Aborted));
+                            Vec::new()
+                        }
+                        _ => Vec::new(),
+                    },
+                };
+                for a in actions {
+                    if let Action::Send(to, msg) = a {
+                        self.send(to, msg);
+                    }
+                }
+            }
+        }
+    }
+
+    fn tombstoned(&self, tid: Tid) -> bool {
+        self.tombstones.lock().map.contains_key(&tid)
+    }
+
+    fn send(&self, to: NodeId, msg: TxMsg) {
+        self.counters.messages.fetch_add(1, Ordering::Relaxed);
+        if let Err(f) = self.endpoint.send(to, Port::TX, Payload::local(msg)) {
+            tracing::debug!(peer = %to, %f, "protocol message not sent");
+        }
+    }
+
+    async fn enlist_with_coordinator(self: &Arc<Self>, tid: Tid) -> Result<(), Failure> {
+        let request = self.enlist_ids.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.enlists.lock().insert(request, tx);
+        self.endpoint.send(
+            tid.node,
+            Port::TX,
+            Payload::local(TxMsg::Enlist { tid, request }),
+        )?;
+        let result = tokio::time::timeout(self.cfg.enlist_timeout, rx).await;
+        self.enlists.lock().remove(&request);
+        match result {
+            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(false)) => Err(Failure::new(
+                Status::Aborted,
+                format!("coordinator {} does not run {tid} any more", tid.node),
+            )),
+            Ok(Err(_)) => Err(Failure::new(Status::Internal, "enlistment abandoned")),
+            Err(_) => Err(Failure::new(
+                Status::TimedOut,
+                format!("coordinator {} did not adopt this node in time", tid.node),
+            )),
+        }
+    }
+
+    fn apply_sub_end(&self, slot: &Arc<Slot>, path: &SubPath, committed: bool) {
+        let resources = resources_of(slot);
+        if !committed {
+            slot.state.lock().core.note_aborted_sub(path.clone());
+        }
+        for (r, _) in resources {
+            r.sub_ended(slot.tid, path, committed);
+        }
+    }
+
+    fn sub_ended(
+        self: &Arc<Self>,
+        tid: Tid,
+        path: &SubPath,
+        committed: bool,
+        from: Option<NodeId>,
+    ) -> Result<(), Failure> {
+        let slot = self.slot(tid).ok_or_else(|| self.unknown(tid))?;
+        if !slot.state.lock().core.is_active() {
+            return Err(not_active(tid, &slot.state.lock()));
+        }
+        self.apply_sub_end(&slot, path, committed);
+        let children = slot.state.lock().core.children();
+        for (child, _) in children {
+            if Some(child) != from {
+                self.send(
+                    child,
+                    TxMsg::SubEnded {
+                        tid,
+                        path: path.clone(),
+                        committed,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn peer_dead(self: &Arc<Self>, node: NodeId) {
+        let slots: Vec<Arc<Slot>> = self.txs.lock().values().cloned().collect();
+        for slot in slots {
+            let involved = {
+                let st = slot.state.lock();
+                st.core.parent() == Some(node)
+                    || st.core.voter() == Some(node)
+                    || st.core.children().iter().any(|(n, _)| *n == node)
+            };
+            if involved {
+                let me = Arc::clone(self);
+                tokio::spawn(async move { me.input(&slot, Input::PeerDead(node)).await });
+            }
+        }
+    }
+
+    async fn tick_all(self: &Arc<Self>) {
+        let now = Instant::now();
+        let slots: Vec<Arc<Slot>> = self.txs.lock().values().cloned().collect();
+        for slot in slots {
+            self.input(&slot, Input::Tick(now)).await;
+        }
+    }
+
+    async fn timer_task(weak: Weak<TmInner>) {
+        let period = match weak.upgrade() {
+            Some(i) => i.cfg.tick,
+            None => return,
+        };
+        let mut ticker = tokio::time::interval(period);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let Some(inner) = weak.upgrade() else { return };
+            if inner.endpoint.is_crashed() {
+                return;
+            }
+            inner.tick_all().await;
+        }
+    }
+}
+
+fn resources_of(slot: &Slot) -> Vec<(Arc<dyn Resource>, ParticipationClass)> {
+    slot.state
+        .lock()
+        .enlisted
+        .iter()
+        .map(|e| (Arc::clone(&e.resource), e.class))
+        .collect()
+}
+
+fn local_vote_volatile(st: &SlotState) -> Vote {
+    if st
+        .enlisted
+        .iter()
+        .any(|e| e.class == ParticipationClass::OnePhase)
+    {
+        Vote::Yes { durable: false }
+    } else {
+        Vote::ReadOnly
+    }
+}

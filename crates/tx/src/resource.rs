@@ -1,0 +1,79 @@
+//! What a resource manager implements to take part in transactions.
+//!
+//! Owns the contract between the transaction manager and the resources of a
+//! node (the KV store, a PostgreSQL connection, a window server...). Must
+//! never let a resource decide the outcome: resources vote; the protocol
+//! decides.
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use weft_log::Log;
+use weft_wire::{SubPath, Tid};
+
+use crate::msg::{Outcome, Vote};
+
+/// How a service or resource takes part in the end of a transaction
+/// (QuickSilver's participation classes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ParticipationClass {
+    /// Never contacted at the end (stateless servers).
+    NoState,
+    /// Told the outcome after the decision (volatile state: sessions,
+    /// windows, locks held for a client).
+    OnePhase,
+    /// Prepare, then commit or abort (recoverable state).
+    TwoPhase,
+}
+
+impl std::fmt::Display for ParticipationClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ParticipationClass::NoState => "no-state",
+            ParticipationClass::OnePhase => "one-phase",
+            ParticipationClass::TwoPhase => "two-phase",
+        })
+    }
+}
+
+/// A resource manager of one node.
+///
+/// Methods other than `prepare` must not fail: a resource that cannot apply
+/// an outcome retries internally (the outcome is final).
+pub trait Resource: Send + Sync + 'static {
+    /// A name unique on the node ("kv", "pg:bank"); printed in listings.
+    fn name(&self) -> &str;
+
+    /// The resource's participation class.
+    fn class(&self) -> ParticipationClass;
+
+    /// Phase one (two-phase class): make the branch of `tid` ready to commit.
+    /// Append whatever redo information recovery will need to `log` (do not
+    /// force: the transaction manager forces its prepare record, which covers
+    /// it). Vote `ReadOnly` when the branch changed nothing (and release what
+    /// it held), `Yes { durable: true }` when ready, `No` otherwise.
+    fn prepare<'a>(&'a self, _tid: Tid, _log: &'a Log) -> BoxFuture<'a, Vote> {
+        Box::pin(async { Vote::ReadOnly })
+    }
+
+    /// Phase two, commit (two-phase class). Also called for a branch this
+    /// resource never saw (it must then do nothing).
+    fn commit(&self, _tid: Tid) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+
+    /// The transaction aborted (two-phase class): undo the branch. Also
+    /// called for branches that never prepared, and for unknown ones.
+    fn abort(&self, _tid: Tid) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+
+    /// The outcome, for one-phase resources (termination notification).
+    fn ended(&self, _tid: Tid, _outcome: Outcome) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+
+    /// A sub-transaction of `tid` ended: committed into its parent (its
+    /// effects and locks pass to the parent) or aborted (its effects are
+    /// undone, the rest of the transaction goes on).
+    fn sub_ended(&self, _tid: Tid, _path: &SubPath, _committed: bool) {}
+}
