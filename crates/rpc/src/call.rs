@@ -1,0 +1,550 @@
+//! Calls: the caller side (typed and raw calls carrying the transaction
+//! context) and the callee side (dispatch to services, joining the caller's
+//! transaction, relaying for clients).
+//!
+//! Owns the mapping between a call and the participant tree: an outgoing call
+//! under T makes the callee a child of this node in T; an incoming one makes
+//! this node a participant of T. Must never hold a lock across a handler or a
+//! transport call.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Weak};
+use std::task::Context;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use parking_lot::RwLock;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tracing::Instrument;
+use weft_transport::{Endpoint, PeerRef, RequestHandler, Responder};
+use weft_tx::{ParticipationClass, Resource, TxManager};
+use weft_wire::{
+    Address, Failure, NodeId, Payload, PeerRole, Request, Response, ServiceName, Status, Tid,
+    TxContext, TxReturn,
+};
+
+use crate::service::{Handler, Service, ServiceInfo, ServiceOptions};
+use crate::transaction::Transaction;
+
+/// Configuration of the RPC layer.
+#[derive(Clone, Debug)]
+pub struct RpcConfig {
+    /// Deadline of a call made without one (bounded further by its
+    /// transaction's deadline).
+    pub default_timeout: Duration,
+}
+
+impl Default for RpcConfig {
+    fn default() -> Self {
+        RpcConfig {
+            default_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+struct RpcInner {
+    endpoint: Endpoint,
+    tm: TxManager,
+    cfg: RpcConfig,
+    services: RwLock<HashMap<(ServiceName, u32), Arc<Service>>>,
+}
+
+/// A node's RPC layer: its services and its calls. Cheap to clone.
+#[derive(Clone)]
+pub struct Rpc {
+    inner: Arc<RpcInner>,
+}
+
+/// What a handler knows about the call it serves, and how it calls others on
+/// behalf of the same transaction.
+#[derive(Clone)]
+pub struct CallContext {
+    rpc: Rpc,
+    caller: PeerRef,
+    tx: Option<TxContext>,
+    deadline: Option<Instant>,
+}
+
+impl CallContext {
+    /// Who called.
+    pub fn caller(&self) -> PeerRef {
+        self.caller
+    }
+
+    /// The caller's transaction context, if the call was made on behalf of a
+    /// transaction.
+    pub fn tx(&self) -> Option<&TxContext> {
+        self.tx.as_ref()
+    }
+
+    /// The transaction id, if any.
+    pub fn tid(&self) -> Option<Tid> {
+        self.tx.as_ref().map(|t| t.tid)
+    }
+
+    /// When the caller gives up.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// The node's RPC layer (to make calls outside the transaction).
+    pub fn rpc(&self) -> &Rpc {
+        &self.rpc
+    }
+
+    /// Calls another service on behalf of the same transaction (and within
+    /// this call's deadline): the callee becomes this node's child in it.
+    ///
+    /// Fails like [`Rpc::call`].
+    pub async fn call<Req, Resp>(&self, addr: &Address, request: Req) -> Result<Resp, Failure>
+    where
+        Req: Serialize + Send + 'static,
+        Resp: DeserializeOwned + Send + 'static,
+    {
+        let payload = self
+            .rpc
+            .call_payload(
+                self.tx.as_ref(),
+                addr,
+                Payload::local(request),
+                self.deadline,
+            )
+            .await?;
+        decode_response(addr, payload)
+    }
+
+    /// Aborts the caller's transaction from inside a handler (any participant
+    /// may). No effect without a transaction.
+    pub async fn abort(&self, reason: &str) {
+        if let Some(tx) = &self.tx {
+            let _ = self.rpc.inner.tm.abort(tx.tid, reason).await;
+        }
+    }
+}
+
+fn decode_response<Resp: DeserializeOwned + Send + 'static>(
+    addr: &Address,
+    payload: Payload,
+) -> Result<Resp, Failure> {
+    payload.decode::<Resp>().map_err(|e| {
+        Failure::new(
+            Status::Mismatch,
+            format!("response of {addr} is not the expected type: {e}"),
+        )
+    })
+}
+
+fn budget(deadline: Option<Instant>) -> Option<u64> {
+    deadline.map(|d| {
+        d.saturating_duration_since(Instant::now())
+            .as_micros()
+            .min(u64::MAX as u128) as u64
+    })
+}
+
+impl Rpc {
+    /// Creates the RPC layer of a node and installs it as the endpoint's
+    /// request handler. Registers the built-in `echo` service.
+    pub fn new(endpoint: Endpoint, tm: TxManager, cfg: RpcConfig) -> Rpc {
+        let rpc = Rpc {
+            inner: Arc::new(RpcInner {
+                endpoint: endpoint.clone(),
+                tm,
+                cfg,
+                services: RwLock::new(HashMap::new()),
+            }),
+        };
+        endpoint.set_request_handler(Arc::new(Dispatch(Arc::downgrade(&rpc.inner))));
+        rpc.register_raw("echo", ServiceOptions::no_state(), |_ctx, payload| {
+            let fut: BoxFuture<'static, Result<Payload, Failure>> =
+                Box::pin(async move { Ok(payload) });
+            fut
+        })
+        .expect("echo registers on a fresh node");
+        rpc
+    }
+
+    /// The node's transport endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.inner.endpoint
+    }
+
+    /// The node's transaction manager.
+    pub fn tm(&self) -> &TxManager {
+        &self.inner.tm
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> NodeId {
+        self.inner.endpoint.node_id()
+    }
+
+    /// Registers an untyped service.
+    ///
+    /// Fails with BadRequest for an invalid name, a one- or two-phase class
+    /// without a participant, or a name and instance already registered.
+    pub fn register_raw(
+        &self,
+        name: &str,
+        opts: ServiceOptions,
+        handler: impl Handler,
+    ) -> Result<(), Failure> {
+        let name =
+            ServiceName::new(name).map_err(|e| Failure::new(Status::BadRequest, e.to_string()))?;
+        if opts.class != ParticipationClass::NoState && opts.participant.is_none() {
+            return Err(Failure::new(
+                Status::BadRequest,
+                format!("a {} service needs a participant", opts.class),
+            ));
+        }
+        let key = (name.clone(), opts.instance);
+        {
+            let mut services = self.inner.services.write();
+            if services.contains_key(&key) {
+                return Err(Failure::new(
+                    Status::BadRequest,
+                    format!("service {name}.{} is already registered", opts.instance),
+                ));
+            }
+            services.insert(
+                key,
+                Arc::new(Service {
+                    name,
+                    instance: opts.instance,
+                    class: opts.class,
+                    participant: opts.participant,
+                    handler: Arc::new(handler),
+                }),
+            );
+        }
+        self.advertise();
+        Ok(())
+    }
+
+    /// Registers a typed service: requests are decoded as `Req` (a local
+    /// value is passed as is) and responses encoded from `Resp` only when
+    /// they leave the process.
+    ///
+    /// Fails like [`Rpc::register_raw`].
+    pub fn register<Req, Resp, F, Fut>(
+        &self,
+        name: &str,
+        opts: ServiceOptions,
+        f: F,
+    ) -> Result<(), Failure>
+    where
+        Req: DeserializeOwned + Send + 'static,
+        Resp: Serialize + Send + 'static,
+        F: Fn(CallContext, Req) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Resp, Failure>> + Send + 'static,
+    {
+        let f = Arc::new(f);
+        let svc = name.to_string();
+        self.register_raw(name, opts, move |ctx: CallContext, payload: Payload| {
+            let f = Arc::clone(&f);
+            let svc = svc.clone();
+            let fut: BoxFuture<'static, Result<Payload, Failure>> = Box::pin(async move {
+                let req = payload.decode::<Req>().map_err(|e| {
+                    Failure::new(Status::BadRequest, format!("bad request for {svc}: {e}"))
+                })?;
+                f(ctx, req).await.map(Payload::local)
+            });
+            fut
+        })
+    }
+
+    /// Removes a service. Returns false if it was not registered.
+    pub fn unregister(&self, name: &str, instance: u32) -> bool {
+        let Ok(name) = ServiceName::new(name) else {
+            return false;
+        };
+        let removed = self
+            .inner
+            .services
+            .write()
+            .remove(&(name, instance))
+            .is_some();
+        if removed {
+            self.advertise();
+        }
+        removed
+    }
+
+    /// The services of this node.
+    pub fn services(&self) -> Vec<ServiceInfo> {
+        let mut v: Vec<ServiceInfo> = self
+            .inner
+            .services
+            .read()
+            .values()
+            .map(|s| ServiceInfo {
+                name: s.name.to_string(),
+                instance: s.instance,
+                class: s.class,
+            })
+            .collect();
+        v.sort_by(|a, b| (&a.name, a.instance).cmp(&(&b.name, b.instance)));
+        v
+    }
+
+    fn advertise(&self) {
+        let names = self
+            .inner
+            .services
+            .read()
+            .keys()
+            .map(|(n, i)| {
+                if *i == 0 {
+                    n.to_string()
+                } else {
+                    format!("{n}.{i}")
+                }
+            })
+            .collect();
+        self.inner.endpoint.set_services(names);
+    }
+
+    /// Begins a transaction coordinated by this node.
+    pub fn begin(&self) -> Transaction {
+        self.begin_with_timeout(None)
+    }
+
+    /// Begins a transaction that aborts if not committed within `timeout`.
+    pub fn begin_with_timeout(&self, timeout: Option<Duration>) -> Transaction {
+        let ctx = self.inner.tm.begin(timeout);
+        Transaction::new(self.clone(), ctx)
+    }
+
+    /// Calls a service outside any transaction, with the default deadline.
+    ///
+    /// Fails with the callee's status (NoSuchService, BadRequest, AppError,
+    /// ...), TimedOut at the deadline, HostDead/ProcDead when the node dies,
+    /// AddrError for an unknown node, Mismatch when the response is not a
+    /// `Resp`.
+    pub async fn call<Req, Resp>(&self, addr: &Address, request: Req) -> Result<Resp, Failure>
+    where
+        Req: Serialize + Send + 'static,
+        Resp: DeserializeOwned + Send + 'static,
+    {
+        let payload = self
+            .call_payload(None, addr, Payload::local(request), None)
+            .await?;
+        decode_response(addr, payload)
+    }
+
+    /// The untyped call every other call goes through: `tx` is the
+    /// transaction to call on behalf of (the callee joins it), `deadline`
+    /// when to give up (default: the configured timeout, never past the
+    /// transaction's deadline).
+    ///
+    /// Fails like [`Rpc::call`], and with Aborted when the transaction is no
+    /// longer active here.
+    pub async fn call_payload(
+        &self,
+        tx: Option<&TxContext>,
+        addr: &Address,
+        payload: Payload,
+        deadline: Option<Instant>,
+    ) -> Result<Payload, Failure> {
+        let inner = &self.inner;
+        let mut deadline = deadline.unwrap_or_else(|| Instant::now() + inner.cfg.default_timeout);
+        let mut ctx = tx.cloned();
+        if let Some(ctx) = ctx.as_mut() {
+            inner.tm.on_call_out(ctx, addr.node)?;
+            // A context's budget is relative to when it was made: recompute it
+            // from the transaction's deadline as this node knows it.
+            if let Some(tx_deadline) = inner.tm.deadline(ctx.tid) {
+                deadline = deadline.min(tx_deadline);
+                ctx.budget_us = budget(Some(tx_deadline));
+            }
+            if let Some(b) = inner.tm.baggage(ctx.tid) {
+                ctx.baggage = b;
+            }
+        }
+        let tid = ctx.as_ref().map(|c| c.tid);
+        let request = Request {
+            call_id: 0,
+            service: addr.service.clone(),
+            instance: addr.instance,
+            node: addr.node,
+            budget_us: None,
+            tx: ctx,
+            flags: 0,
+            payload,
+        };
+        let span = match tid {
+            Some(t) => tracing::debug_span!("call", tid = %t, to = %addr),
+            None => tracing::debug_span!("call", to = %addr),
+        };
+        let resp = inner
+            .endpoint
+            .call(addr.node, request, Some(deadline))
+            .instrument(span)
+            .await?;
+        self.finish_call(tid, resp).await
+    }
+
+    async fn finish_call(&self, tid: Option<Tid>, resp: Response) -> Result<Payload, Failure> {
+        if let (Some(tid), Some(ret)) = (tid, resp.tx.as_ref()) {
+            if !ret.baggage.is_empty() {
+                self.inner.tm.merge_baggage(tid, &ret.baggage);
+            }
+            if ret.aborted {
+                let _ = self
+                    .inner
+                    .tm
+                    .abort(tid, "a participant aborted the transaction")
+                    .await;
+            }
+        }
+        if resp.status == Status::Ok {
+            Ok(resp.payload)
+        } else {
+            Err(Failure::new(resp.status, resp.detail))
+        }
+    }
+
+    fn service(&self, name: &ServiceName, instance: u32) -> Option<Arc<Service>> {
+        self.inner
+            .services
+            .read()
+            .get(&(name.clone(), instance))
+            .cloned()
+    }
+
+    fn no_such_service(&self, name: &ServiceName, instance: u32) -> Failure {
+        let have: Vec<String> = self.services().into_iter().map(|s| s.name).collect();
+        Failure::new(
+            Status::NoSuchService,
+            format!(
+                "no service {name}.{instance} at node {} (it has: {})",
+                self.node_id(),
+                have.join(", ")
+            ),
+        )
+    }
+
+    /// Serves one request: joins its transaction, runs the handler, builds
+    /// the response.
+    async fn serve(self, from: PeerRef, req: Request) -> Response {
+        let deadline = req
+            .budget_us
+            .map(|us| Instant::now() + Duration::from_micros(us));
+        let relay = from.role == PeerRole::Client && req.node != self.node_id();
+        let service = if relay {
+            None
+        } else {
+            self.service(&req.service, req.instance)
+        };
+        if !relay && service.is_none() {
+            return failure_response(self.no_such_service(&req.service, req.instance));
+        }
+        let participant: Option<(Arc<dyn Resource>, ParticipationClass)> = service
+            .as_ref()
+            .and_then(|s| s.participant.clone().map(|p| (p, s.class)));
+        let guard = match &req.tx {
+            Some(ctx) => match self.inner.tm.on_call_in(ctx, from, participant).await {
+                Ok(g) => Some(g),
+                Err(f) => return failure_response(f),
+            },
+            None => None,
+        };
+        let tid = req.tx.as_ref().map(|t| t.tid);
+        let result = if relay {
+            // A client asked this node to call another: this node calls on
+            // the client's behalf (and takes part in its transaction).
+            let addr = Address {
+                service: req.service.clone(),
+                instance: req.instance,
+                node: req.node,
+            };
+            self.call_payload(req.tx.as_ref(), &addr, req.payload, deadline)
+                .await
+        } else {
+            let service = service.expect("checked above");
+            let ctx = CallContext {
+                rpc: self.clone(),
+                caller: from,
+                tx: req.tx.clone(),
+                deadline,
+            };
+            let fut = service.handler.call(ctx, req.payload);
+            match deadline {
+                Some(d) => match tokio::time::timeout_at(d.into(), fut).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Failure::new(
+                        Status::TimedOut,
+                        "the handler ran past the deadline",
+                    )),
+                },
+                None => fut.await,
+            }
+        };
+        let tx_return = tid.map(|t| TxReturn {
+            baggage: self.inner.tm.baggage(t).unwrap_or_default(),
+            aborted: guard.as_ref().is_some_and(|g| g.aborted()),
+        });
+        drop(guard);
+        match result {
+            Ok(payload) => Response {
+                call_id: 0,
+                status: Status::Ok,
+                detail: String::new(),
+                tx: tx_return,
+                payload,
+            },
+            Err(f) => Response {
+                tx: tx_return,
+                ..failure_response(f)
+            },
+        }
+    }
+}
+
+fn failure_response(f: Failure) -> Response {
+    Response {
+        call_id: 0,
+        status: f.status,
+        detail: f.detail,
+        tx: None,
+        payload: Payload::empty(),
+    }
+}
+
+/// The endpoint's request handler: dispatches to the RPC layer.
+struct Dispatch(Weak<RpcInner>);
+
+impl RequestHandler for Dispatch {
+    fn handle(&self, from: PeerRef, request: Request, responder: Responder) {
+        let Some(inner) = self.0.upgrade() else {
+            responder.fail(Failure::new(Status::ShuttingDown, "node is shutting down"));
+            return;
+        };
+        let rpc = Rpc { inner };
+        let span = match &request.tx {
+            Some(t) => tracing::debug_span!("serve", tid = %t.tid, service = %request.service),
+            None => tracing::debug_span!("serve", service = %request.service),
+        };
+        let fut: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(
+            async move {
+                let resp = rpc.serve(from, request).await;
+                responder.respond(resp);
+            }
+            .instrument(span),
+        );
+        run_inline_then_spawn(fut);
+    }
+}
+
+/// Polls a future once in the caller's context (direct control passing: a
+/// handler that does not wait finishes without any task switch) and spawns
+/// it if it must wait.
+fn run_inline_then_spawn(mut fut: Pin<Box<dyn Future<Output = ()> + Send>>) {
+    let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+    if fut.as_mut().poll(&mut cx).is_pending() {
+        tokio::spawn(fut);
+    }
+}

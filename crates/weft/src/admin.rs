@@ -1,0 +1,155 @@
+//! Built-in administrative services, used by the `weft` CLI and by
+//! operators: `_status` (the node's view of the cluster and its counters)
+//! and `_tx` (begin, commit, abort, inspect transactions from outside).
+//!
+//! Owns the request and reply types of those services. Must never bypass the
+//! transaction manager: `_tx` drives it exactly as a program would.
+
+use serde::{Deserialize, Serialize};
+use weft_log::LogStats;
+use weft_rpc::{ServiceInfo, ServiceOptions};
+use weft_transport::{ClusterView, StatsSnapshot};
+use weft_tx::{RecoveryReport, TmStats, TxStatus};
+use weft_wire::{Failure, Incarnation, NodeId, Status, Tid, TxContext};
+
+use crate::node::Node;
+
+/// Name of the status service.
+pub const STATUS_SERVICE: &str = "_status";
+/// Name of the transaction administration service.
+pub const TX_SERVICE: &str = "_tx";
+
+/// What `_status` returns.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// The answering node.
+    pub node: NodeId,
+    /// Its incarnation.
+    pub incarnation: Incarnation,
+    /// Its view of the cluster.
+    pub view: ClusterView,
+    /// Its services.
+    pub services: Vec<ServiceInfo>,
+    /// Transaction counters.
+    pub tm: TmStats,
+    /// Transactions live at the node.
+    pub live_transactions: usize,
+    /// Log counters.
+    pub log: LogStats,
+    /// Frames sent.
+    pub transport: StatsSnapshot,
+    /// Recent refused links (wrong secret, malformed frames).
+    pub refusals: Vec<String>,
+    /// What recovery did at start-up.
+    pub recovery: RecoveryReport,
+    /// The data directory.
+    pub data_dir: String,
+}
+
+/// Requests of `_tx`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum TxRequest {
+    /// Begin a transaction coordinated by the answering node.
+    Begin {
+        /// Deadline in milliseconds (the node's default when absent).
+        timeout_ms: Option<u64>,
+    },
+    /// Commit (the answering node must be the coordinator).
+    Commit(Tid),
+    /// Abort.
+    Abort(Tid, String),
+    /// The transaction's state at the answering node.
+    Status(Tid),
+    /// Every transaction live at the answering node.
+    List,
+}
+
+/// Replies of `_tx`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum TxReply {
+    /// A transaction was begun: its context.
+    Begun(TxContext),
+    /// Commit or abort done.
+    Done,
+    /// The state of one transaction: live (`Some` status), or finished
+    /// (`outcome`: "committed", "aborted", "read-only"), or unknown.
+    Status {
+        /// Live state, if the transaction is live here.
+        live: Option<TxStatus>,
+        /// How it ended, if it ended here recently.
+        outcome: Option<String>,
+    },
+    /// Live transactions.
+    List(Vec<TxStatus>),
+}
+
+/// Registers `_status` and `_tx` on `node`.
+pub(crate) fn install(node: &Node) -> Result<(), Failure> {
+    let n = node.clone();
+    node.rpc().register(
+        STATUS_SERVICE,
+        ServiceOptions::no_state(),
+        move |_ctx, (): ()| {
+            let n = n.clone();
+            async move { Ok(status(&n)) }
+        },
+    )?;
+    let n = node.clone();
+    node.rpc().register(
+        TX_SERVICE,
+        ServiceOptions::no_state(),
+        move |_ctx, req: TxRequest| {
+            let n = n.clone();
+            async move { tx_admin(&n, req).await }
+        },
+    )?;
+    Ok(())
+}
+
+fn status(node: &Node) -> StatusReport {
+    StatusReport {
+        node: node.id(),
+        incarnation: node.incarnation(),
+        view: node.endpoint().view(),
+        services: node.rpc().services(),
+        tm: node.tm().stats(),
+        live_transactions: node.tm().list().len(),
+        log: node.log().stats(),
+        transport: node.endpoint().stats(),
+        refusals: node.endpoint().refusals(),
+        recovery: node.recovery().clone(),
+        data_dir: node.data_dir().display().to_string(),
+    }
+}
+
+async fn tx_admin(node: &Node, req: TxRequest) -> Result<TxReply, Failure> {
+    let tm = node.tm();
+    match req {
+        TxRequest::Begin { timeout_ms } => {
+            let ctx = tm.begin(timeout_ms.map(std::time::Duration::from_millis));
+            Ok(TxReply::Begun(ctx))
+        }
+        TxRequest::Commit(tid) => tm.commit(tid).await.map(|()| TxReply::Done),
+        TxRequest::Abort(tid, reason) => tm.abort(tid, &reason).await.map(|()| TxReply::Done),
+        TxRequest::Status(tid) => {
+            let live = tm.status(tid);
+            let outcome = tm.finished_outcome(tid).map(|o| match o {
+                Some(weft_tx::Outcome::Committed) => "committed".to_string(),
+                Some(weft_tx::Outcome::Aborted) => "aborted".to_string(),
+                None => "read-only".to_string(),
+            });
+            if live.is_none() && outcome.is_none() && tid.node != node.id() {
+                return Err(Failure::new(
+                    Status::NoSuchTransaction,
+                    format!(
+                        "node {} knows nothing of {tid}; ask its coordinator, node {}",
+                        node.id(),
+                        tid.node
+                    ),
+                ));
+            }
+            Ok(TxReply::Status { live, outcome })
+        }
+        TxRequest::List => Ok(TxReply::List(tm.list())),
+    }
+}

@@ -1,0 +1,478 @@
+//! A weft node: transport, log, transaction manager, RPC and plugins,
+//! assembled and started in the right order.
+//!
+//! Owns start-up (incarnation, log recovery, transaction recovery, plugin
+//! recovery, joining), periodic checkpoints and shutdown. Must never take
+//! calls before recovery is complete.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use weft_log::{Log, LogConfig};
+use weft_rpc::{Plugin, Rpc, RpcConfig, ServiceOptions, Transaction};
+use weft_transport::{ChannelSet, Endpoint, FaultPlan, InprocHub, Seed, TransportConfig};
+use weft_tx::{RecoveryReport, TmConfig, TxManager};
+use weft_wire::{Address, Failure, Incarnation, NodeId, Status};
+
+use crate::admin;
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The data directory could not be prepared.
+    #[error("data directory {dir}: {reason}")]
+    DataDir {
+        /// The directory.
+        dir: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The log could not be opened.
+    #[error("log: {0}")]
+    Log(#[from] weft_log::LogError),
+    /// The transport could not start.
+    #[error("transport: {0}")]
+    Transport(#[from] weft_transport::StartError),
+    /// A plugin failed to attach, recover or serve.
+    #[error("plugin {plugin}: {failure}")]
+    Plugin {
+        /// The plugin's name.
+        plugin: String,
+        /// Its failure.
+        failure: Failure,
+    },
+    /// Joining the cluster failed.
+    #[error("join: {0}")]
+    Join(Failure),
+}
+
+/// Configures and starts a [`Node`].
+pub struct NodeBuilder {
+    id: NodeId,
+    listen: Option<SocketAddr>,
+    join: Option<Seed>,
+    data_dir: Option<PathBuf>,
+    secret: Vec<u8>,
+    hub: Option<Arc<InprocHub>>,
+    fault: Option<Arc<FaultPlan>>,
+    channels: ChannelSet,
+    heartbeat: Duration,
+    dead_after: Duration,
+    connect_timeout: Duration,
+    tm: TmConfig,
+    rpc: RpcConfig,
+    plugins: Vec<Arc<dyn Plugin>>,
+    checkpoint_every: Option<Duration>,
+    log_tuning: Option<Box<dyn FnOnce(LogConfig) -> LogConfig + Send>>,
+}
+
+impl NodeBuilder {
+    fn new(id: u32) -> Self {
+        NodeBuilder {
+            id: NodeId(id),
+            listen: None,
+            join: None,
+            data_dir: None,
+            secret: Vec::new(),
+            hub: None,
+            fault: None,
+            channels: ChannelSet::default(),
+            heartbeat: Duration::from_millis(200),
+            dead_after: Duration::from_millis(2000),
+            connect_timeout: Duration::from_millis(2000),
+            tm: TmConfig::default(),
+            rpc: RpcConfig::default(),
+            plugins: Vec::new(),
+            checkpoint_every: Some(Duration::from_secs(30)),
+            log_tuning: None,
+        }
+    }
+
+    /// Listens for TCP links on `addr` (port 0 picks one).
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = Some(addr);
+        self
+    }
+
+    /// Joins the cluster through a member; without it the node is the
+    /// directory of a new cluster.
+    pub fn join(mut self, seed: Seed) -> Self {
+        self.join = Some(seed);
+        self
+    }
+
+    /// Keeps the log, the incarnation and plugin snapshots in `dir`, so the
+    /// node recovers after a crash. Without it, state lives in a temporary
+    /// directory removed with the node.
+    pub fn data_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.data_dir = Some(dir.into());
+        self
+    }
+
+    /// The cluster secret.
+    pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.secret = secret.as_ref().to_vec();
+        self
+    }
+
+    /// The in-process hub (tests build isolated clusters with their own).
+    pub fn hub(mut self, hub: Arc<InprocHub>) -> Self {
+        self.hub = Some(hub);
+        self
+    }
+
+    /// Injects faults on every link of this node (tests).
+    pub fn fault(mut self, plan: Arc<FaultPlan>) -> Self {
+        self.fault = Some(plan);
+        self
+    }
+
+    /// The channels this node may use.
+    pub fn channels(mut self, channels: ChannelSet) -> Self {
+        self.channels = channels;
+        self
+    }
+
+    /// Failure-detector timing: probe interval and the bound past which a
+    /// silent peer is dead.
+    pub fn failure_detector(mut self, heartbeat: Duration, dead_after: Duration) -> Self {
+        self.heartbeat = heartbeat;
+        self.dead_after = dead_after;
+        self
+    }
+
+    /// How long a link may take to connect.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Transaction manager settings.
+    pub fn tm_config(mut self, cfg: TmConfig) -> Self {
+        self.tm = cfg;
+        self
+    }
+
+    /// RPC settings.
+    pub fn rpc_config(mut self, cfg: RpcConfig) -> Self {
+        self.rpc = cfg;
+        self
+    }
+
+    /// Adds a plugin (a resource manager with services).
+    pub fn plugin(mut self, plugin: Arc<dyn Plugin>) -> Self {
+        self.plugins.push(plugin);
+        self
+    }
+
+    /// How often to checkpoint (truncate the log); `None` never.
+    pub fn checkpoint_every(mut self, every: Option<Duration>) -> Self {
+        self.checkpoint_every = every;
+        self
+    }
+
+    /// Adjusts the log configuration (segment size, group-commit delay).
+    pub fn log_config(mut self, f: impl FnOnce(LogConfig) -> LogConfig + Send + 'static) -> Self {
+        self.log_tuning = Some(Box::new(f));
+        self
+    }
+
+    /// Starts the node: reads and bumps the incarnation, recovers the log,
+    /// the transaction manager and every plugin, opens services, then joins
+    /// the cluster.
+    ///
+    /// Fails with [`NodeError`] naming the step that failed.
+    pub async fn start(self) -> Result<Node, NodeError> {
+        let (dir, temp) = match &self.data_dir {
+            Some(d) => (d.clone(), None),
+            None => {
+                let t = tempfile::Builder::new()
+                    .prefix("weft-node-")
+                    .tempdir()
+                    .map_err(|e| NodeError::DataDir {
+                        dir: std::env::temp_dir(),
+                        reason: e.to_string(),
+                    })?;
+                (t.path().to_path_buf(), Some(t))
+            }
+        };
+        std::fs::create_dir_all(&dir).map_err(|e| NodeError::DataDir {
+            dir: dir.clone(),
+            reason: e.to_string(),
+        })?;
+        let incarnation = next_incarnation(&dir)?;
+        let mut log_cfg = LogConfig::new(dir.join("log"));
+        if let Some(f) = self.log_tuning {
+            log_cfg = f(log_cfg);
+        }
+        let (log, recovered) = Log::open(log_cfg)?;
+        if recovered.was_cut() {
+            tracing::warn!(
+                node = %self.id,
+                bytes = recovered.truncated_bytes,
+                "log tail cut at recovery: {}",
+                recovered.tail_error.clone().unwrap_or_default()
+            );
+        }
+        let endpoint = Endpoint::start(TransportConfig {
+            secret: self.secret.clone(),
+            listen: self.listen,
+            channels: self.channels,
+            hub: self.hub.clone(),
+            fault: self.fault.clone(),
+            heartbeat_interval: self.heartbeat,
+            dead_after: self.dead_after,
+            connect_timeout: self.connect_timeout,
+            ..TransportConfig::node(self.id, incarnation)
+        })
+        .await?;
+        let tm = TxManager::start(endpoint.clone(), log.clone(), self.tm.clone());
+        let plugin_err = |p: &Arc<dyn Plugin>, failure: Failure| NodeError::Plugin {
+            plugin: p.name().to_string(),
+            failure,
+        };
+        for p in &self.plugins {
+            p.attach(&tm, &log).map_err(|f| plugin_err(p, f))?;
+        }
+        let report = tm.recover(&recovered.records);
+        for p in &self.plugins {
+            p.recover(&tm, &recovered.records)
+                .map_err(|f| plugin_err(p, f))?;
+        }
+        drop(recovered);
+        let rpc = Rpc::new(endpoint.clone(), tm.clone(), self.rpc.clone());
+        for p in &self.plugins {
+            p.serve(&rpc).map_err(|f| plugin_err(p, f))?;
+        }
+        let node = Node {
+            inner: Arc::new(NodeInner {
+                endpoint,
+                log,
+                tm,
+                rpc,
+                dir,
+                persistent: self.data_dir.is_some(),
+                _temp: temp,
+                recovery: report,
+                plugins: self.plugins,
+                checkpoints: Mutex::new(0),
+            }),
+        };
+        admin::install(&node).map_err(|failure| NodeError::Plugin {
+            plugin: "admin".into(),
+            failure,
+        })?;
+        if let Some(seed) = self.join {
+            node.inner
+                .endpoint
+                .join(seed)
+                .await
+                .map_err(NodeError::Join)?;
+        }
+        if let Some(every) = self.checkpoint_every {
+            let weak = Arc::downgrade(&node.inner);
+            tokio::spawn(async move {
+                let mut ticker = tokio::time::interval(every);
+                ticker.tick().await;
+                loop {
+                    ticker.tick().await;
+                    let Some(inner) = weak.upgrade() else { return };
+                    if inner.endpoint.is_crashed() {
+                        return;
+                    }
+                    let node = Node { inner };
+                    if let Err(e) = node.checkpoint() {
+                        tracing::warn!("checkpoint failed: {e}");
+                    }
+                }
+            });
+        }
+        Ok(node)
+    }
+}
+
+/// Reads the incarnation stored in `dir`, stores the next one durably and
+/// returns it (1 for a new directory).
+fn next_incarnation(dir: &Path) -> Result<Incarnation, NodeError> {
+    let path = dir.join("incarnation");
+    let err = |reason: String| NodeError::DataDir {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    let current = match std::fs::read_to_string(&path) {
+        Ok(s) => s
+            .trim()
+            .parse::<u32>()
+            .map_err(|e| err(format!("bad incarnation file: {e}")))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(err(e.to_string())),
+    };
+    let next = current
+        .checked_add(1)
+        .ok_or_else(|| err("incarnation overflow".into()))?;
+    let tmp = dir.join("incarnation.tmp");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).map_err(|e| err(e.to_string()))?;
+        writeln!(f, "{next}").map_err(|e| err(e.to_string()))?;
+        f.sync_all().map_err(|e| err(e.to_string()))?;
+    }
+    std::fs::rename(&tmp, &path).map_err(|e| err(e.to_string()))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| err(format!("cannot sync the directory: {e}")))?;
+    Ok(Incarnation(next))
+}
+
+struct NodeInner {
+    endpoint: Endpoint,
+    log: Log,
+    tm: TxManager,
+    rpc: Rpc,
+    dir: PathBuf,
+    persistent: bool,
+    _temp: Option<tempfile::TempDir>,
+    recovery: RecoveryReport,
+    plugins: Vec<Arc<dyn Plugin>>,
+    checkpoints: Mutex<u64>,
+}
+
+/// One weft runtime: its transport endpoint, log, transaction manager, RPC
+/// layer and plugins. Cheap to clone.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<NodeInner>,
+}
+
+impl Node {
+    /// Starts configuring node `id`.
+    pub fn builder(id: u32) -> NodeBuilder {
+        NodeBuilder::new(id)
+    }
+
+    /// The node id.
+    pub fn id(&self) -> NodeId {
+        self.inner.endpoint.node_id()
+    }
+
+    /// The incarnation this run has.
+    pub fn incarnation(&self) -> Incarnation {
+        self.inner.endpoint.incarnation()
+    }
+
+    /// The bound TCP address, if listening.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.inner.endpoint.listen_addr()
+    }
+
+    /// The transport endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.inner.endpoint
+    }
+
+    /// The node's log.
+    pub fn log(&self) -> &Log {
+        &self.inner.log
+    }
+
+    /// The transaction manager.
+    pub fn tm(&self) -> &TxManager {
+        &self.inner.tm
+    }
+
+    /// The RPC layer.
+    pub fn rpc(&self) -> &Rpc {
+        &self.inner.rpc
+    }
+
+    /// The data directory (a temporary one when none was configured).
+    pub fn data_dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// True when the data directory survives the node.
+    pub fn is_persistent(&self) -> bool {
+        self.inner.persistent
+    }
+
+    /// What transaction recovery did at start-up.
+    pub fn recovery(&self) -> &RecoveryReport {
+        &self.inner.recovery
+    }
+
+    /// Begins a transaction coordinated by this node.
+    pub fn begin(&self) -> Transaction {
+        self.inner.rpc.begin()
+    }
+
+    /// Calls a service outside any transaction.
+    ///
+    /// Fails like [`Rpc::call`].
+    pub async fn call<Req, Resp>(&self, addr: &Address, request: Req) -> Result<Resp, Failure>
+    where
+        Req: Serialize + Send + 'static,
+        Resp: DeserializeOwned + Send + 'static,
+    {
+        self.inner.rpc.call(addr, request).await
+    }
+
+    /// Registers a typed service.
+    ///
+    /// Fails like [`Rpc::register`].
+    pub fn register<Req, Resp, F, Fut>(
+        &self,
+        name: &str,
+        opts: ServiceOptions,
+        f: F,
+    ) -> Result<(), Failure>
+    where
+        Req: DeserializeOwned + Send + 'static,
+        Resp: Serialize + Send + 'static,
+        F: Fn(weft_rpc::CallContext, Req) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Resp, Failure>> + Send + 'static,
+    {
+        self.inner.rpc.register(name, opts, f)
+    }
+
+    /// Takes a checkpoint: every plugin snapshots its state, and the log is
+    /// truncated below what the transaction manager and the plugins still
+    /// need. Returns the new start of the log.
+    ///
+    /// Fails when a plugin cannot checkpoint or the log cannot be truncated.
+    pub fn checkpoint(&self) -> Result<weft_log::Lsn, Failure> {
+        let inner = &self.inner;
+        let log = &inner.log;
+        // Everything appended so far is covered by the snapshots taken below.
+        let mut keep = log.end_lsn();
+        for p in &inner.plugins {
+            if let Some(lsn) = p.checkpoint(log)? {
+                keep = keep.min(lsn);
+            }
+        }
+        if let Some(lsn) = inner.tm.low_water() {
+            keep = keep.min(lsn);
+        }
+        log.truncate_before(keep)
+            .map_err(|e| Failure::new(Status::Internal, format!("log truncation: {e}")))?;
+        *inner.checkpoints.lock() += 1;
+        Ok(log.first_lsn())
+    }
+
+    /// Leaves the cluster and stops.
+    pub async fn shutdown(&self) {
+        self.inner.endpoint.shutdown().await;
+        let _ = self.inner.log.close();
+    }
+
+    /// Stops abruptly as if the process died (tests): nothing more is sent,
+    /// received or logged. The data directory keeps what was durable.
+    pub fn crash(&self) {
+        self.inner.endpoint.crash();
+        self.inner.log.crash();
+    }
+}
