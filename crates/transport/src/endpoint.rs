@@ -520,6 +520,11 @@ impl Endpoint {
         }
     }
 
+    /// The node serving as the cluster directory, when known.
+    pub fn directory(&self) -> Option<NodeId> {
+        self.inner.naming.lock().directory
+    }
+
     /// The incarnation of `node` as last seen, if known.
     pub fn peer_incarnation(&self, node: NodeId) -> Option<Incarnation> {
         if node == self.inner.cfg.node {
