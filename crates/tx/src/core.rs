@@ -28,6 +28,11 @@ pub struct CoreConfig {
     pub retry: Duration,
     /// Longest wait between retransmissions (backoff doubles up to this).
     pub max_retry: Duration,
+    /// An active participant branch asks its coordinator whether the
+    /// transaction still runs after this long (then with backoff), so that a
+    /// lost abort notice does not leave it holding resources until its
+    /// deadline.
+    pub orphan_check: Duration,
 }
 
 impl Default for CoreConfig {
@@ -35,6 +40,7 @@ impl Default for CoreConfig {
         CoreConfig {
             retry: Duration::from_millis(200),
             max_retry: Duration::from_secs(5),
+            orphan_check: Duration::from_secs(1),
         }
     }
 }
@@ -258,7 +264,11 @@ impl TxCore {
             deadline,
             cfg,
             last_sent: None,
-            wait: cfg.retry,
+            wait: if coordinator {
+                cfg.retry
+            } else {
+                cfg.orphan_check
+            },
         }
     }
 
@@ -386,6 +396,14 @@ impl TxCore {
                     None,
                     &mut out,
                 ),
+                // An active branch whose transaction ended without it: its
+                // abort notice was lost, or it joined after the end.
+                (Answer::Committed | Answer::Aborted, Phase::Active) if !self.coordinator => self
+                    .abort_here(
+                        "the coordinator no longer runs the transaction".into(),
+                        None,
+                        &mut out,
+                    ),
                 _ => {}
             },
             Input::PeerDead(node) => self.on_peer_dead(node, &mut out),
@@ -733,6 +751,12 @@ impl TxCore {
         self.last_sent = Some(now);
         self.wait = (self.wait * 2).min(self.cfg.max_retry);
         match self.phase {
+            Phase::Active if !self.coordinator => {
+                out.push(Action::Send(
+                    self.tid.node,
+                    TxMsg::Inquire { tid: self.tid },
+                ));
+            }
             Phase::Preparing => {
                 let subs = self.aborted_subs.clone();
                 for (node, c) in &self.children {

@@ -27,8 +27,40 @@ use crate::core::{late, Action, CoreConfig, Durability, Input, Phase, TxCore};
 use crate::msg::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
 use crate::resource::{ParticipationClass, Resource};
 
+/// A named point of the commit protocol where a test can stop a node
+/// (then kill it) to check atomicity across crashes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CrashPoint {
+    /// A participant's prepare record is durable; its vote is not sent.
+    ParticipantPrepared,
+    /// All votes are in; the coordinator's commit record is not yet forced.
+    CoordinatorBeforeCommitForce,
+    /// The commit record is durable; no decision has been sent.
+    CoordinatorAfterCommitForce,
+    /// A participant received the commit decision and has not applied it.
+    ParticipantPhaseTwo,
+}
+
+impl std::str::FromStr for CrashPoint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "participant-prepared" => CrashPoint::ParticipantPrepared,
+            "coordinator-before-commit-force" => CrashPoint::CoordinatorBeforeCommitForce,
+            "coordinator-after-commit-force" => CrashPoint::CoordinatorAfterCommitForce,
+            "participant-phase-two" => CrashPoint::ParticipantPhaseTwo,
+            other => return Err(format!("unknown crash point {other:?}")),
+        })
+    }
+}
+
+/// Called when a transaction reaches the configured crash point. The
+/// transaction then stops making progress at this node (it waits to be
+/// killed). Test-only: production nodes configure none.
+pub type CrashHook = Arc<dyn Fn(CrashPoint, Tid) + Send + Sync>;
+
 /// Configuration of a transaction manager.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct TmConfig {
     /// Retransmission timing of the commit protocol.
     pub core: CoreConfig,
@@ -41,6 +73,21 @@ pub struct TmConfig {
     /// How long an incoming call waits for the coordinator to adopt this
     /// node when a client (not a member) brought the transaction here.
     pub enlist_timeout: Duration,
+    /// Test hook: stop transactions at this point and call the hook.
+    pub crash_at: Option<(CrashPoint, CrashHook)>,
+}
+
+impl std::fmt::Debug for TmConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TmConfig")
+            .field("core", &self.core)
+            .field("default_timeout", &self.default_timeout)
+            .field("tick", &self.tick)
+            .field("tombstones", &self.tombstones)
+            .field("enlist_timeout", &self.enlist_timeout)
+            .field("crash_at", &self.crash_at.as_ref().map(|(p, _)| p))
+            .finish()
+    }
 }
 
 impl Default for TmConfig {
@@ -51,6 +98,7 @@ impl Default for TmConfig {
             tick: Duration::from_millis(20),
             tombstones: 100_000,
             enlist_timeout: Duration::from_secs(2),
+            crash_at: None,
         }
     }
 }
@@ -837,7 +885,7 @@ impl TmInner {
                     }
                 }
             }
-            Action::Log(record, durability) => self.log_record(slot, record, durability),
+            Action::Log(record, durability) => self.log_record(slot, record, durability).await,
             Action::CommitLocal => {
                 let enlisted = resources_of(slot);
                 if !enlisted.is_empty() {
@@ -914,8 +962,17 @@ impl TmInner {
         }
     }
 
-    fn log_record(self: &Arc<Self>, slot: &Arc<Slot>, record: TmRecord, durability: Durability) {
+    async fn log_record(
+        self: &Arc<Self>,
+        slot: &Arc<Slot>,
+        record: TmRecord,
+        durability: Durability,
+    ) {
         let tid = slot.tid;
+        if durability == Durability::Force && matches!(record, TmRecord::Committed { .. }) {
+            self.crash_point(CrashPoint::CoordinatorBeforeCommitForce, tid)
+                .await;
+        }
         let bytes = match postcard::to_allocvec(&record) {
             Ok(b) => b,
             Err(e) => {
@@ -943,6 +1000,7 @@ impl TmInner {
                     st.wrote_durable = true;
                     st.intent.take()
                 };
+                let coordinator = matches!(record, TmRecord::Committed { .. });
                 let me = Arc::clone(self);
                 let slot = Arc::clone(slot);
                 tokio::spawn(async move {
@@ -951,7 +1009,15 @@ impl TmInner {
                         None => me.log.force(lsn).await,
                     };
                     match forced {
-                        Ok(()) => me.input(&slot, Input::Forced).await,
+                        Ok(()) => {
+                            let point = if coordinator {
+                                CrashPoint::CoordinatorAfterCommitForce
+                            } else {
+                                CrashPoint::ParticipantPrepared
+                            };
+                            me.crash_point(point, slot.tid).await;
+                            me.input(&slot, Input::Forced).await
+                        }
                         Err(e) => {
                             tracing::error!(tid = %slot.tid, "log force failed: {e}");
                             me.log_failed(&slot, Durability::Force);
@@ -1145,6 +1211,18 @@ impl TmInner {
                         self.send(to, msg);
                     }
                 }
+            }
+        }
+    }
+
+    /// At a configured crash point: tell the hook, then never return (the
+    /// transaction stops here until the node is killed).
+    async fn crash_point(&self, point: CrashPoint, tid: Tid) {
+        if let Some((at, hook)) = &self.cfg.crash_at {
+            if *at == point {
+                tracing::warn!(%tid, ?point, "crash point reached");
+                hook(point, tid);
+                std::future::pending::<()>().await;
             }
         }
     }

@@ -525,3 +525,38 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn an_orphaned_active_branch_asks_and_aborts() {
+    // 1 -> 2; node 1 aborts and its notice to node 2 is lost.
+    let mut sim = Sim::new(&[(1, 2)], &[(2, DURABLE)]);
+    sim.input(n(1), Input::Abort("app".into()));
+    sim.queue.clear();
+    assert_eq!(sim.phase(2), Phase::Active);
+    sim.tick(Duration::ZERO);
+    sim.tick(Duration::from_secs(2));
+    assert!(
+        sim.queue.iter().any(|(from, to, m)| *from == n(2)
+            && *to == n(1)
+            && matches!(m, TxMsg::Inquire { .. })),
+        "the quiet branch asks its coordinator"
+    );
+    // The coordinator has forgotten the transaction: presumed abort.
+    sim.cores.remove(&n(1));
+    sim.settle();
+    assert!(sim.did(2, "abort"));
+    assert_eq!(sim.phase(2), Phase::Done(Some(Outcome::Aborted)));
+}
+
+#[test]
+fn a_branch_of_a_live_transaction_keeps_waiting() {
+    let mut sim = Sim::new(&[(1, 2)], &[(2, DURABLE)]);
+    sim.tick(Duration::ZERO);
+    sim.tick(Duration::from_secs(2));
+    sim.settle();
+    assert_eq!(
+        sim.phase(2),
+        Phase::Active,
+        "Pending: the coordinator still runs it"
+    );
+}
