@@ -1,6 +1,16 @@
-//! weft's transactional key-value service.
+//! weft's transactional key-value service, the reference two-phase resource.
 //!
-//! For now this crate holds the lock manager ([`lock`]) shared by the KV
-//! service and the Raid concurrency controller: strict two-phase locking with
-//! nested transactions, as a sans-IO lock table plus a thin async shell.
+//! Per node: a store of byte keys and values, isolated by strict two-phase
+//! locking ([`lock`]; a conflict waits up to a bound, then fails with
+//! LockConflict), durable through the node's log (prepare records) plus
+//! periodic snapshots, recovered with the transaction manager's outcomes.
+//! Read-only branches vote READ-ONLY and leave the protocol at once.
+
+pub mod api;
 pub mod lock;
+pub mod service;
+pub mod snapshot;
+pub mod store;
+
+pub use api::{int_value, parse_int, KvRecord, KvRequest, KvResponse, Op, Reply, KV_RECORD_TAG};
+pub use service::{Kv, KvConfig, KvStats, SERVICE};

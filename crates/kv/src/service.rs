@@ -1,0 +1,475 @@
+//! The KV service: a node's transactional key-value store, its RPC service
+//! (`kv`), its part in two-phase commit, its snapshots and its recovery.
+//!
+//! Owns the glue between the store (data), the lock manager (isolation: strict
+//! two-phase locking, a conflict waits at most a bound and then fails with
+//! LockConflict) and the transaction manager (prepare writes the branch's
+//! redo record to the node's log; commit applies it). Must never make a write
+//! visible before its transaction commits, nor hold a lock past its
+//! transaction's end.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use parking_lot::RwLock;
+use weft_log::{Log, LogRecord, Lsn};
+use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
+use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
+use weft_wire::{Failure, Status, SubPath, Tid, Xid};
+
+use crate::api::{int_value, parse_int, KvRecord, KvRequest, KvResponse, Op, Reply, KV_RECORD_TAG};
+use crate::lock::{LockError, LockManager, LockMode, LockOwner};
+use crate::snapshot;
+use crate::store::Store;
+
+/// The name the service registers under.
+pub const SERVICE: &str = "kv";
+
+impl LockOwner for Xid {
+    type Family = Tid;
+
+    fn family(&self) -> Tid {
+        self.tid
+    }
+
+    fn is_ancestor_of(&self, other: &Self) -> bool {
+        self.tid == other.tid && self.path.is_ancestor_or_self(&other.path)
+    }
+
+    fn parent(&self) -> Option<Self> {
+        self.path.parent().map(|path| Xid {
+            tid: self.tid,
+            path,
+        })
+    }
+}
+
+/// KV settings.
+#[derive(Clone, Debug)]
+pub struct KvConfig {
+    /// Longest wait for a lock before LockConflict.
+    pub lock_wait: Duration,
+    /// Where snapshots go; by default `kv/` next to the node's log directory.
+    pub dir: Option<PathBuf>,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        KvConfig {
+            lock_wait: Duration::from_secs(1),
+            dir: None,
+        }
+    }
+}
+
+/// Counters of the KV service.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvStats {
+    /// Committed keys.
+    pub keys: usize,
+    /// Prepared write sets awaiting their outcome.
+    pub prepared: usize,
+    /// Lock requests that had to wait.
+    pub lock_waits: u64,
+    /// Lock requests that ended in LockConflict.
+    pub lock_conflicts: u64,
+}
+
+struct Inner {
+    cfg: KvConfig,
+    store: RwLock<Store>,
+    locks: LockManager<Bytes, Xid>,
+    tm: OnceLock<TxManager>,
+    log: OnceLock<Log>,
+    dir: OnceLock<PathBuf>,
+}
+
+/// A node's transactional key-value store. Cheap to clone; use it as a
+/// [`Plugin`] of the node (`Node::builder(..).plugin(Arc::new(Kv::new(..)))`).
+#[derive(Clone)]
+pub struct Kv {
+    inner: Arc<Inner>,
+}
+
+/// The two-phase participant registered with the transaction manager.
+struct Participant(Arc<Inner>);
+
+impl Kv {
+    /// A store with `cfg`, empty until its node recovers it.
+    pub fn new(cfg: KvConfig) -> Kv {
+        Kv {
+            inner: Arc::new(Inner {
+                cfg,
+                store: RwLock::new(Store::new()),
+                locks: LockManager::new(),
+                tm: OnceLock::new(),
+                log: OnceLock::new(),
+                dir: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> KvStats {
+        let store = self.inner.store.read();
+        let locks = self.inner.locks.stats();
+        KvStats {
+            keys: store.len(),
+            prepared: store.prepared_tids().len(),
+            lock_waits: locks.waits,
+            lock_conflicts: locks.conflicts + locks.timeouts,
+        }
+    }
+
+    /// The committed value of `key`, outside any transaction (a dirty-free
+    /// read of the last committed state; for audits and tests).
+    pub fn committed(&self, key: &[u8]) -> Option<Bytes> {
+        self.inner
+            .store
+            .read()
+            .committed(&Bytes::copy_from_slice(key))
+            .cloned()
+    }
+
+    /// Every committed pair whose key starts with `prefix`, in key order.
+    pub fn committed_with_prefix(&self, prefix: &[u8]) -> Vec<(Bytes, Bytes)> {
+        self.inner
+            .store
+            .read()
+            .committed_iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Runs operations within the (sub-)transaction `xid` at this node. The
+    /// caller must have made this node a participant of the transaction
+    /// (the `kv` service does so for calls; local code uses
+    /// `TxManager::enlist` through [`Kv::resource`]).
+    ///
+    /// Fails with LockConflict when a lock is not granted within the bound
+    /// (or before `deadline`), BadRequest for an Add on a non-integer value.
+    pub async fn execute(
+        &self,
+        xid: &Xid,
+        ops: Vec<Op>,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Reply>, Failure> {
+        let mut out = Vec::with_capacity(ops.len());
+        for op in ops {
+            out.push(self.execute_one(xid, op, deadline).await?);
+        }
+        Ok(out)
+    }
+
+    /// The participant to enlist explicitly (for operations run through
+    /// [`Kv::execute`] from local code).
+    pub fn resource(&self) -> Arc<dyn Resource> {
+        Arc::new(Participant(Arc::clone(&self.inner)))
+    }
+
+    async fn lock(
+        &self,
+        xid: &Xid,
+        key: &Bytes,
+        mode: LockMode,
+        deadline: Option<Instant>,
+    ) -> Result<(), Failure> {
+        let mut bound = self.inner.cfg.lock_wait;
+        if let Some(d) = deadline {
+            bound = bound.min(d.saturating_duration_since(Instant::now()));
+        }
+        self.inner.locks.lock(xid.clone(), key.clone(), mode, bound).await.map_err(|e| match e {
+            LockError::Conflict { key, holders } => Failure::new(
+                Status::LockConflict,
+                format!("{xid}: {mode} lock on {key} not granted within {bound:?} (held by {holders:?})"),
+            ),
+            other => Failure::new(Status::LockConflict, format!("{xid}: {other}")),
+        })
+    }
+
+    async fn execute_one(
+        &self,
+        xid: &Xid,
+        op: Op,
+        deadline: Option<Instant>,
+    ) -> Result<Reply, Failure> {
+        match op {
+            Op::Get(key) => {
+                self.lock(xid, &key, LockMode::Shared, deadline).await?;
+                Ok(Reply::Value(self.inner.store.read().read(xid, &key)))
+            }
+            Op::Put(key, value) => {
+                self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
+                self.inner.store.write().write(xid, key, Some(value));
+                Ok(Reply::Done)
+            }
+            Op::Delete(key) => {
+                self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
+                self.inner.store.write().write(xid, key, None);
+                Ok(Reply::Done)
+            }
+            Op::Add(key, delta) => {
+                self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
+                let mut store = self.inner.store.write();
+                let current = match store.read(xid, &key) {
+                    None => 0,
+                    Some(v) => parse_int(&v).ok_or_else(|| {
+                        Failure::new(
+                            Status::BadRequest,
+                            format!(
+                                "value at {key:?} is not a 64-bit integer ({} bytes)",
+                                v.len()
+                            ),
+                        )
+                    })?,
+                };
+                let new = current.checked_add(delta).ok_or_else(|| {
+                    Failure::new(Status::BadRequest, format!("{current} + {delta} overflows"))
+                })?;
+                store.write(xid, key, Some(int_value(new)));
+                Ok(Reply::Number(new))
+            }
+            Op::Scan { start, end, limit } => {
+                let keys: Vec<Bytes> = self
+                    .inner
+                    .store
+                    .read()
+                    .scan(xid, &start, &end, limit as usize)
+                    .into_iter()
+                    .map(|(k, _)| k)
+                    .collect();
+                let mut rows = Vec::with_capacity(keys.len());
+                for k in keys {
+                    self.lock(xid, &k, LockMode::Shared, deadline).await?;
+                    // Re-read under the lock: the value may have changed.
+                    if let Some(v) = self.inner.store.read().read(xid, &k) {
+                        rows.push((k, v));
+                    }
+                }
+                Ok(Reply::Rows(rows))
+            }
+        }
+    }
+
+    async fn serve_call(&self, ctx: CallContext, req: KvRequest) -> Result<KvResponse, Failure> {
+        let deadline = ctx.deadline();
+        match ctx.tx() {
+            Some(tx) => self
+                .execute(&tx.xid(), req.0, deadline)
+                .await
+                .map(KvResponse),
+            None => {
+                // No transaction: a local one-operation transaction.
+                let tm = self.tm()?;
+                let ctx = tm.begin(None);
+                tm.enlist(ctx.tid, self.resource())?;
+                match self.execute(&ctx.xid(), req.0, deadline).await {
+                    Ok(replies) => {
+                        tm.commit(ctx.tid).await?;
+                        Ok(KvResponse(replies))
+                    }
+                    Err(f) => {
+                        let _ = tm.abort(ctx.tid, &f.detail).await;
+                        Err(f)
+                    }
+                }
+            }
+        }
+    }
+
+    fn tm(&self) -> Result<&TxManager, Failure> {
+        self.inner.tm.get().ok_or_else(|| {
+            Failure::new(
+                Status::Unavailable,
+                "the KV store is not attached to a node",
+            )
+        })
+    }
+
+    fn snapshot_dir(&self) -> Option<&PathBuf> {
+        self.inner.dir.get()
+    }
+}
+
+impl Resource for Participant {
+    fn name(&self) -> &str {
+        SERVICE
+    }
+
+    fn class(&self) -> ParticipationClass {
+        ParticipationClass::TwoPhase
+    }
+
+    fn prepare<'a>(&'a self, tid: Tid, log: &'a Log) -> BoxFuture<'a, Vote> {
+        Box::pin(async move {
+            let prepared = self.0.store.write().prepare(tid, &[], |writes| {
+                let rec = KvRecord::Prepared {
+                    tid,
+                    writes: writes.to_vec(),
+                };
+                let bytes = postcard::to_allocvec(&rec).map_err(|e| e.to_string())?;
+                log.append(KV_RECORD_TAG, &bytes)
+                    .map(|l| l.get())
+                    .map_err(|e| e.to_string())
+            });
+            match prepared {
+                Ok(None) => {
+                    // Read-only: leave the protocol now and release everything.
+                    self.0.locks.release_all(&tid);
+                    Vote::ReadOnly
+                }
+                Ok(Some(_)) => {
+                    // Strict 2PL keeps write locks to the end; reads are done.
+                    self.0.locks.release_shared(&Xid::top(tid));
+                    Vote::Yes { durable: true }
+                }
+                Err(e) => {
+                    self.0.store.write().abort(tid);
+                    self.0.locks.release_all(&tid);
+                    Vote::No(format!("kv: cannot log the prepare record: {e}"))
+                }
+            }
+        })
+    }
+
+    fn commit(&self, tid: Tid) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.0.store.write().commit(tid);
+            self.0.locks.release_all(&tid);
+        })
+    }
+
+    fn abort(&self, tid: Tid) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.0.store.write().abort(tid);
+            self.0.locks.release_all(&tid);
+        })
+    }
+
+    fn sub_ended(&self, tid: Tid, path: &SubPath, committed: bool) {
+        self.0.store.write().sub_ended(tid, path, committed);
+        let owner = Xid {
+            tid,
+            path: path.clone(),
+        };
+        let _ = if committed {
+            self.0.locks.commit_sub(&owner)
+        } else {
+            self.0.locks.abort_sub(&owner)
+        };
+    }
+}
+
+fn plugin_failure(e: impl std::fmt::Display) -> Failure {
+    Failure::new(Status::Internal, format!("kv: {e}"))
+}
+
+impl Plugin for Kv {
+    fn name(&self) -> &str {
+        SERVICE
+    }
+
+    fn attach(&self, tm: &TxManager, log: &Log) -> Result<(), Failure> {
+        let dir = self.inner.cfg.dir.clone().unwrap_or_else(|| {
+            log.dir()
+                .parent()
+                .map(|p| p.join("kv"))
+                .unwrap_or_else(|| log.dir().join("kv"))
+        });
+        let _ = self.inner.dir.set(dir);
+        let _ = self.inner.tm.set(tm.clone());
+        let _ = self.inner.log.set(log.clone());
+        tm.register_resource(self.resource());
+        Ok(())
+    }
+
+    fn recover(&self, tm: &TxManager, records: &[LogRecord]) -> Result<(), Failure> {
+        let dir = self
+            .snapshot_dir()
+            .cloned()
+            .ok_or_else(|| plugin_failure("not attached"))?;
+        let (from, image) = snapshot::read(&dir)
+            .map_err(plugin_failure)?
+            .unwrap_or_default();
+        let mut store = Store::from_image(image);
+        for r in records
+            .iter()
+            .filter(|r| r.tag == KV_RECORD_TAG && r.lsn.get() >= from)
+        {
+            let rec: KvRecord = postcard::from_bytes(&r.payload)
+                .map_err(|e| plugin_failure(format!("undecodable record at {}: {e}", r.lsn)))?;
+            match rec {
+                KvRecord::Prepared { tid, writes } => {
+                    store.restore_prepared(tid, r.lsn.get(), writes)
+                }
+            }
+        }
+        let (mut redone, mut dropped, mut in_doubt) = (0, 0, 0);
+        let mut tids = store.prepared_tids();
+        tids.sort();
+        for tid in tids {
+            match tm.recovered(tid) {
+                Some(Recovered::Committed) => {
+                    store.commit(tid);
+                    redone += 1;
+                }
+                Some(Recovered::InDoubt) => {
+                    // Keep it ready, and locked, until the outcome arrives.
+                    for key in store.prepared_keys(tid) {
+                        self.inner
+                            .locks
+                            .try_lock(Xid::top(tid), key, LockMode::Exclusive)
+                            .map_err(plugin_failure)?;
+                    }
+                    in_doubt += 1;
+                }
+                Some(Recovered::Aborted) | None => {
+                    store.abort(tid);
+                    dropped += 1;
+                }
+            }
+        }
+        tracing::info!(
+            keys = store.len(),
+            redone,
+            dropped,
+            in_doubt,
+            "kv recovered"
+        );
+        *self.inner.store.write() = store;
+        Ok(())
+    }
+
+    fn serve(&self, rpc: &Rpc) -> Result<(), Failure> {
+        let kv = self.clone();
+        rpc.register(
+            SERVICE,
+            ServiceOptions::with_participant(self.resource()),
+            move |ctx, req: KvRequest| {
+                let kv = kv.clone();
+                async move { kv.serve_call(ctx, req).await }
+            },
+        )
+    }
+
+    fn checkpoint(&self, log: &Log) -> Result<Option<Lsn>, Failure> {
+        let dir = self
+            .snapshot_dir()
+            .cloned()
+            .ok_or_else(|| plugin_failure("not attached"))?;
+        // The image and its log position are taken together under the store
+        // lock: every record before `at` is reflected in the image.
+        let (at, image, oldest) = {
+            let store = self.inner.store.read();
+            (log.end_lsn(), store.image(), store.oldest_prepared())
+        };
+        snapshot::write(&dir, at.get(), &image).map_err(plugin_failure)?;
+        // Keep the records of prepared branches: the transaction manager's
+        // outcome records for them follow their prepare records.
+        Ok(Some(Lsn(oldest.map_or(at.get(), |o| o.min(at.get())))))
+    }
+}

@@ -1,0 +1,408 @@
+//! The KV store's data: committed values, the write sets of live branches
+//! (per sub-transaction) and the write sets of prepared branches.
+//!
+//! Owns what each transaction sees and what commit applies. Pure data: no
+//! locks (the lock manager guards isolation), no I/O, no clocks. Must never
+//! let a write reach the committed map before its transaction committed
+//! (deferred update: abort has nothing to undo).
+
+use std::collections::{BTreeMap, HashMap};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use weft_wire::{SubPath, Tid, Xid};
+
+use crate::api::Write;
+
+/// Writes of one live branch, per sub-transaction path.
+#[derive(Default, Debug)]
+struct Branch {
+    writes: BTreeMap<SubPath, HashMap<Bytes, Option<Bytes>>>,
+}
+
+/// What a snapshot holds: the committed map and the prepared write sets.
+#[derive(Default, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Image {
+    /// Committed values.
+    pub committed: BTreeMap<Bytes, Bytes>,
+    /// Write sets of branches prepared and not yet decided, with the log
+    /// position of their prepare record.
+    pub prepared: Vec<(Tid, u64, Vec<Write>)>,
+}
+
+/// The store.
+#[derive(Default, Debug)]
+pub struct Store {
+    committed: BTreeMap<Bytes, Bytes>,
+    live: HashMap<Tid, Branch>,
+    /// Prepared write sets and the log position of their prepare record.
+    prepared: HashMap<Tid, (Vec<Write>, u64)>,
+}
+
+impl Store {
+    /// An empty store.
+    pub fn new() -> Self {
+        Store::default()
+    }
+
+    /// A store rebuilt from a snapshot image.
+    pub fn from_image(image: Image) -> Self {
+        Store {
+            committed: image.committed,
+            live: HashMap::new(),
+            prepared: image
+                .prepared
+                .into_iter()
+                .map(|(t, lsn, w)| (t, (w, lsn)))
+                .collect(),
+        }
+    }
+
+    /// The value `xid` sees at `key`: its own writes (its sub-transaction's,
+    /// then its ancestors') over the committed value.
+    pub fn read(&self, xid: &Xid, key: &Bytes) -> Option<Bytes> {
+        if let Some(branch) = self.live.get(&xid.tid) {
+            let mut path = Some(xid.path.clone());
+            while let Some(p) = path {
+                if let Some(v) = branch.writes.get(&p).and_then(|w| w.get(key)) {
+                    return v.clone();
+                }
+                path = p.parent();
+            }
+        }
+        self.committed.get(key).cloned()
+    }
+
+    /// Records a write (`None`: delete) by `xid`.
+    pub fn write(&mut self, xid: &Xid, key: Bytes, value: Option<Bytes>) {
+        self.live
+            .entry(xid.tid)
+            .or_default()
+            .writes
+            .entry(xid.path.clone())
+            .or_default()
+            .insert(key, value);
+    }
+
+    /// Keys in `[start, end)` as `xid` sees them, at most `limit`.
+    pub fn scan(&self, xid: &Xid, start: &Bytes, end: &Bytes, limit: usize) -> Vec<(Bytes, Bytes)> {
+        let in_range = |k: &Bytes| k >= start && (end.is_empty() || k < end);
+        // Own writes visible to xid, outermost first so inner ones win.
+        let mut overlay: BTreeMap<Bytes, Option<Bytes>> = BTreeMap::new();
+        if let Some(branch) = self.live.get(&xid.tid) {
+            for (path, writes) in &branch.writes {
+                if path.is_ancestor_or_self(&xid.path) {
+                    for (k, v) in writes {
+                        if in_range(k) {
+                            overlay.insert(k.clone(), v.clone());
+                        }
+                    }
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let committed = self
+            .committed
+            .range(start.clone()..)
+            .take_while(|(k, _)| in_range(k));
+        let mut committed = committed.peekable();
+        let mut own = overlay.into_iter().peekable();
+        while out.len() < limit {
+            let next_c = committed.peek().map(|(k, _)| (*k).clone());
+            let next_o = own.peek().map(|(k, _)| k.clone());
+            match (next_c, next_o) {
+                (None, None) => break,
+                (Some(c), Some(o)) if o <= c => {
+                    if o == c {
+                        committed.next();
+                    }
+                    let (k, v) = own.next().expect("peeked");
+                    if let Some(v) = v {
+                        out.push((k, v));
+                    }
+                }
+                (Some(_), _) => {
+                    let (k, v) = committed.next().expect("peeked");
+                    out.push((k.clone(), v.clone()));
+                }
+                (None, Some(_)) => {
+                    let (k, v) = own.next().expect("peeked");
+                    if let Some(v) = v {
+                        out.push((k, v));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// A sub-transaction ended: its writes (and its descendants') pass to its
+    /// parent, or are dropped.
+    pub fn sub_ended(&mut self, tid: Tid, path: &SubPath, committed: bool) {
+        let Some(branch) = self.live.get_mut(&tid) else {
+            return;
+        };
+        let Some(parent) = path.parent() else { return };
+        let affected: Vec<SubPath> = branch
+            .writes
+            .keys()
+            .filter(|p| path.is_ancestor_or_self(p))
+            .cloned()
+            .collect();
+        // BTreeMap order puts a path before its descendants: apply in that
+        // order so the innermost (latest) write of a key wins.
+        let mut moved = HashMap::new();
+        for p in affected {
+            if let Some(w) = branch.writes.remove(&p) {
+                if committed {
+                    moved.extend(w);
+                }
+            }
+        }
+        if committed && !moved.is_empty() {
+            branch.writes.entry(parent).or_default().extend(moved);
+        }
+    }
+
+    /// Phase one: the branch's final write set moves to the prepared sets
+    /// once `log` returned the position of its prepare record. Returns the
+    /// write set, or `None` when the branch wrote nothing (read-only; `log`
+    /// is not called). `aborted` sub-transactions' writes are dropped first.
+    ///
+    /// Fails with `log`'s error; the branch's writes are then dropped.
+    pub fn prepare<E>(
+        &mut self,
+        tid: Tid,
+        aborted: &[SubPath],
+        log: impl FnOnce(&[Write]) -> Result<u64, E>,
+    ) -> Result<Option<Vec<Write>>, E> {
+        let Some(mut branch) = self.live.remove(&tid) else {
+            return Ok(None);
+        };
+        branch
+            .writes
+            .retain(|p, _| !aborted.iter().any(|a| a.is_ancestor_or_self(p)));
+        let mut flat: BTreeMap<Bytes, Option<Bytes>> = BTreeMap::new();
+        for (_, writes) in branch.writes {
+            flat.extend(writes);
+        }
+        if flat.is_empty() {
+            return Ok(None);
+        }
+        let writes: Vec<Write> = flat.into_iter().collect();
+        let lsn = log(&writes)?;
+        self.prepared.insert(tid, (writes.clone(), lsn));
+        Ok(Some(writes))
+    }
+
+    /// Installs a prepared write set found at recovery (`lsn`: its record).
+    pub fn restore_prepared(&mut self, tid: Tid, lsn: u64, writes: Vec<Write>) {
+        self.prepared.insert(tid, (writes, lsn));
+    }
+
+    /// The log position of the oldest prepared write set's record.
+    pub fn oldest_prepared(&self) -> Option<u64> {
+        self.prepared.values().map(|(_, lsn)| *lsn).min()
+    }
+
+    /// Phase two, commit: the prepared writes reach the committed map.
+    /// Returns the keys written (to release their locks), empty if nothing
+    /// was prepared for `tid`.
+    pub fn commit(&mut self, tid: Tid) -> Vec<Bytes> {
+        self.live.remove(&tid);
+        let Some((writes, _)) = self.prepared.remove(&tid) else {
+            return Vec::new();
+        };
+        let mut keys = Vec::with_capacity(writes.len());
+        for (k, v) in writes {
+            match v {
+                Some(v) => {
+                    self.committed.insert(k.clone(), v);
+                }
+                None => {
+                    self.committed.remove(&k);
+                }
+            }
+            keys.push(k);
+        }
+        keys
+    }
+
+    /// Abort: the branch's writes (live or prepared) are dropped.
+    pub fn abort(&mut self, tid: Tid) {
+        self.live.remove(&tid);
+        self.prepared.remove(&tid);
+    }
+
+    /// Transactions with a prepared write set.
+    pub fn prepared_tids(&self) -> Vec<Tid> {
+        self.prepared.keys().copied().collect()
+    }
+
+    /// The keys of a prepared write set.
+    pub fn prepared_keys(&self, tid: Tid) -> Vec<Bytes> {
+        self.prepared
+            .get(&tid)
+            .map(|(w, _)| w.iter().map(|(k, _)| k.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Number of committed keys.
+    pub fn len(&self) -> usize {
+        self.committed.len()
+    }
+
+    /// True when no key is committed.
+    pub fn is_empty(&self) -> bool {
+        self.committed.is_empty()
+    }
+
+    /// A copy of the durable state: committed map and prepared write sets.
+    pub fn image(&self) -> Image {
+        let mut prepared: Vec<(Tid, u64, Vec<Write>)> = self
+            .prepared
+            .iter()
+            .map(|(t, (w, lsn))| (*t, *lsn, w.clone()))
+            .collect();
+        prepared.sort_by_key(|(t, _, _)| *t);
+        Image {
+            committed: self.committed.clone(),
+            prepared,
+        }
+    }
+
+    /// The committed value at `key` (no transaction).
+    pub fn committed(&self, key: &Bytes) -> Option<&Bytes> {
+        self.committed.get(key)
+    }
+
+    /// Iterates over committed pairs in key order.
+    pub fn committed_iter(&self) -> impl Iterator<Item = (&Bytes, &Bytes)> {
+        self.committed.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_wire::{Incarnation, NodeId};
+
+    fn tid(n: u64) -> Tid {
+        Tid::new(NodeId(1), Incarnation(1), n)
+    }
+
+    fn b(s: &str) -> Bytes {
+        Bytes::copy_from_slice(s.as_bytes())
+    }
+
+    /// Prepares `tid(n)`, pretending its record went to log position 1000 + n.
+    fn prep(s: &mut Store, n: u64, aborted: &[SubPath]) -> Option<Vec<Write>> {
+        s.prepare::<()>(tid(n), aborted, |_| Ok(1000 + n)).unwrap()
+    }
+
+    #[test]
+    fn writes_are_invisible_until_commit() {
+        let mut s = Store::new();
+        let t1 = Xid::top(tid(1));
+        let t2 = Xid::top(tid(2));
+        s.write(&t1, b("k"), Some(b("v1")));
+        assert_eq!(s.read(&t1, &b("k")), Some(b("v1")));
+        assert_eq!(s.read(&t2, &b("k")), None, "no dirty read");
+        let w = prep(&mut s, 1, &[]).unwrap();
+        assert_eq!(w, vec![(b("k"), Some(b("v1")))]);
+        assert_eq!(s.read(&t2, &b("k")), None, "prepared is not committed");
+        assert_eq!(s.commit(tid(1)), vec![b("k")]);
+        assert_eq!(s.read(&t2, &b("k")), Some(b("v1")));
+    }
+
+    #[test]
+    fn read_only_branches_prepare_nothing_and_aborts_leave_no_trace() {
+        let mut s = Store::new();
+        assert!(prep(&mut s, 1, &[]).is_none());
+        let t = Xid::top(tid(2));
+        s.write(&t, b("k"), Some(b("v")));
+        s.abort(tid(2));
+        assert_eq!(s.read(&Xid::top(tid(3)), &b("k")), None);
+        assert!(s.prepared_tids().is_empty());
+    }
+
+    #[test]
+    fn sub_transactions_pass_or_drop_their_writes() {
+        let mut s = Store::new();
+        let top = Xid::top(tid(1));
+        let sub1 = Xid {
+            tid: tid(1),
+            path: SubPath(vec![1]),
+        };
+        let sub2 = Xid {
+            tid: tid(1),
+            path: SubPath(vec![2]),
+        };
+        s.write(&top, b("a"), Some(b("top")));
+        s.write(&sub1, b("a"), Some(b("sub1")));
+        s.write(&sub1, b("b"), Some(b("sub1")));
+        assert_eq!(s.read(&sub1, &b("a")), Some(b("sub1")));
+        assert_eq!(
+            s.read(&top, &b("a")),
+            Some(b("top")),
+            "parent does not see open child"
+        );
+        s.sub_ended(tid(1), &sub1.path, false);
+        assert_eq!(s.read(&top, &b("b")), None, "aborted sub leaves no trace");
+        s.write(&sub2, b("c"), Some(b("sub2")));
+        s.sub_ended(tid(1), &sub2.path, true);
+        assert_eq!(
+            s.read(&top, &b("c")),
+            Some(b("sub2")),
+            "committed sub passes to parent"
+        );
+        let w = prep(&mut s, 1, &[]).unwrap();
+        assert_eq!(w, vec![(b("a"), Some(b("top"))), (b("c"), Some(b("sub2")))]);
+    }
+
+    #[test]
+    fn prepare_drops_subs_known_aborted() {
+        let mut s = Store::new();
+        let sub = Xid {
+            tid: tid(1),
+            path: SubPath(vec![3]),
+        };
+        s.write(&sub, b("x"), Some(b("1")));
+        assert!(prep(&mut s, 1, &[SubPath(vec![3])]).is_none());
+    }
+
+    #[test]
+    fn scans_merge_own_writes_and_deletes() {
+        let mut s = Store::new();
+        let t0 = Xid::top(tid(9));
+        for k in ["a", "b", "c", "d"] {
+            s.write(&t0, b(k), Some(b(k)));
+        }
+        prep(&mut s, 9, &[]);
+        s.commit(tid(9));
+        let t = Xid::top(tid(1));
+        s.write(&t, b("b"), None);
+        s.write(&t, b("bb"), Some(b("new")));
+        s.write(&t, b("c"), Some(b("C")));
+        let rows = s.scan(&t, &b("a"), &b("d"), 10);
+        assert_eq!(
+            rows,
+            vec![(b("a"), b("a")), (b("bb"), b("new")), (b("c"), b("C"))]
+        );
+        assert_eq!(s.scan(&t, &b("a"), &Bytes::new(), 2).len(), 2);
+        let other = Xid::top(tid(2));
+        assert_eq!(s.scan(&other, &b("a"), &Bytes::new(), 10).len(), 4);
+    }
+
+    #[test]
+    fn images_round_trip_prepared_sets() {
+        let mut s = Store::new();
+        let t = Xid::top(tid(1));
+        s.write(&t, b("k"), Some(b("v")));
+        prep(&mut s, 1, &[]);
+        let again = Store::from_image(s.image());
+        assert_eq!(again.prepared_tids(), vec![tid(1)]);
+        assert_eq!(again.prepared_keys(tid(1)), vec![b("k")]);
+        assert_eq!(again.oldest_prepared(), Some(1000 + 1));
+    }
+}
