@@ -1,0 +1,410 @@
+//! Transactions over the KV service across in-process clusters: commit and
+//! abort, strict two-phase locking, read-only costs, nested transactions,
+//! deadlines, crashes and restarts from the data directory, and atomicity
+//! under message loss, duplication, delay and partitions.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use rand::{Rng, SeedableRng};
+use weft::kv::{parse_int, Kv, KvConfig, KvRequest, KvResponse, Op, Reply};
+use weft::{Address, Failure, FaultScope, LinkFaults, NodeId, Status, Transaction};
+
+fn b(s: &str) -> Bytes {
+    Bytes::copy_from_slice(s.as_bytes())
+}
+
+fn kv_at(node: u32) -> Address {
+    format!("kv@{node}").parse().unwrap()
+}
+
+async fn kv(tx: &Transaction, node: u32, ops: Vec<Op>) -> Result<Vec<Reply>, Failure> {
+    tx.call::<_, KvResponse>(&kv_at(node), KvRequest(ops))
+        .await
+        .map(|r| r.0)
+}
+
+async fn get(tx: &Transaction, node: u32, key: &str) -> Result<Option<Bytes>, Failure> {
+    match kv(tx, node, vec![Op::Get(b(key))]).await?.pop() {
+        Some(Reply::Value(v)) => Ok(v),
+        other => panic!("unexpected reply {other:?}"),
+    }
+}
+
+/// A cluster whose nodes each run a KV store; returns the stores too.
+async fn kv_cluster(n: u32, seed: u64, lock_wait: Duration) -> (Cluster, Vec<Kv>) {
+    let stores: Vec<Kv> = (0..n)
+        .map(|_| {
+            Kv::new(KvConfig {
+                lock_wait,
+                dir: None,
+            })
+        })
+        .collect();
+    let s2 = stores.clone();
+    let c = Cluster::start_with(n, seed, move |id, b| {
+        b.plugin(Arc::new(s2[(id - 1) as usize].clone()))
+    })
+    .await;
+    (c, stores)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_distributed_write_commits_everywhere_or_nowhere() {
+    let (c, stores) = kv_cluster(3, 201, Duration::from_millis(300)).await;
+    let tx = c.node(1).begin();
+    kv(&tx, 2, vec![Op::Put(b("x"), b("1"))]).await.unwrap();
+    kv(&tx, 3, vec![Op::Put(b("y"), b("1"))]).await.unwrap();
+    assert_eq!(stores[1].committed(b"x"), None, "not visible before commit");
+    tx.commit().await.unwrap();
+    wait_for("writes applied", Duration::from_secs(2), || {
+        stores[1].committed(b"x") == Some(b("1")) && stores[2].committed(b"y") == Some(b("1"))
+    })
+    .await;
+    // Forced records: one prepare record per participant, one commit record.
+    assert_eq!(c.node(1).tm().stats().forced_records, 1);
+    assert_eq!(c.node(2).tm().stats().forced_records, 1);
+    assert_eq!(c.node(3).tm().stats().forced_records, 1);
+
+    let tx = c.node(1).begin();
+    kv(&tx, 2, vec![Op::Put(b("x"), b("2"))]).await.unwrap();
+    kv(&tx, 3, vec![Op::Delete(b("y"))]).await.unwrap();
+    tx.abort("changed my mind").await.unwrap();
+    let tx = c.node(1).begin();
+    assert_eq!(
+        get(&tx, 2, "x").await.unwrap(),
+        Some(b("1")),
+        "an aborted write leaves no trace"
+    );
+    assert_eq!(get(&tx, 3, "y").await.unwrap(), Some(b("1")));
+    tx.commit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_transactions_force_nothing_and_vote_read_only() {
+    let (c, _stores) = kv_cluster(3, 202, Duration::from_millis(300)).await;
+    let before: Vec<u64> = c
+        .nodes
+        .iter()
+        .map(|n| n.tm().stats().forced_records)
+        .collect();
+    let msgs_before: u64 = c.nodes.iter().map(|n| n.tm().stats().messages).sum();
+    let tx = c.node(1).begin();
+    get(&tx, 2, "a").await.unwrap();
+    get(&tx, 3, "b").await.unwrap();
+    tx.commit().await.unwrap();
+    let after: Vec<u64> = c
+        .nodes
+        .iter()
+        .map(|n| n.tm().stats().forced_records)
+        .collect();
+    assert_eq!(before, after, "a read-only transaction forces nothing");
+    let msgs: u64 = c.nodes.iter().map(|n| n.tm().stats().messages).sum::<u64>() - msgs_before;
+    assert_eq!(msgs, 4, "one round (prepare, vote) per participant");
+    assert_eq!(c.node(1).tm().stats().committed_read_only, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_two_phase_locking_prevents_lost_updates_and_dirty_reads() {
+    let (c, stores) = kv_cluster(2, 203, Duration::from_millis(2000)).await;
+    // Lost update: 8 clients add 1 to one counter, 10 times each, retrying
+    // on conflict; every committed increment is counted once.
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let node = c.node(1 + (i % 2)).clone();
+        tasks.push(tokio::spawn(async move {
+            let mut committed = 0;
+            while committed < 10 {
+                let tx = node.begin();
+                match kv(&tx, 2, vec![Op::Add(b("counter"), 1)]).await {
+                    Ok(_) => {
+                        if tx.commit().await.is_ok() {
+                            committed += 1;
+                        }
+                    }
+                    Err(f) => {
+                        assert_eq!(f.status, Status::LockConflict, "{f}");
+                        let _ = tx.abort("retry").await;
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    wait_for("all increments applied", Duration::from_secs(3), || {
+        stores[1].committed(b"counter").and_then(|v| parse_int(&v)) == Some(80)
+    })
+    .await;
+
+    // Dirty read: an uncommitted write blocks readers until it ends.
+    let writer = c.node(1).begin();
+    kv(&writer, 2, vec![Op::Put(b("d"), b("dirty"))])
+        .await
+        .unwrap();
+    let reader_node = c.node(2).clone();
+    let reader = tokio::spawn(async move {
+        let tx = reader_node.begin();
+        let v = get(&tx, 2, "d").await;
+        tx.commit().await.unwrap();
+        v
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !reader.is_finished(),
+        "the reader waits for the writer's lock"
+    );
+    writer.abort("never mind").await.unwrap();
+    assert_eq!(
+        reader.await.unwrap().unwrap(),
+        None,
+        "it never saw the aborted value"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_conflict_ends_after_the_bound() {
+    let (c, _stores) = kv_cluster(2, 204, Duration::from_millis(150)).await;
+    let holder = c.node(1).begin();
+    kv(&holder, 2, vec![Op::Put(b("k"), b("1"))]).await.unwrap();
+    let other = c.node(1).begin();
+    let started = std::time::Instant::now();
+    let err = kv(&other, 2, vec![Op::Put(b("k"), b("2"))])
+        .await
+        .unwrap_err();
+    assert_eq!(err.status, Status::LockConflict, "{err}");
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    assert!(
+        err.detail.contains(&holder.tid().to_string()),
+        "names the holder: {err}"
+    );
+    other.abort("conflict").await.unwrap();
+    holder.commit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_transactions_abort_alone_or_pass_effects_up() {
+    let (c, stores) = kv_cluster(3, 205, Duration::from_millis(300)).await;
+    let tx = c.node(1).begin();
+    kv(&tx, 2, vec![Op::Put(b("parent"), b("p"))])
+        .await
+        .unwrap();
+    // A sub-transaction writes on two nodes, then aborts alone.
+    let sub = tx.sub().unwrap();
+    sub.call::<_, KvResponse>(&kv_at(2), KvRequest(vec![Op::Put(b("s1"), b("x"))]))
+        .await
+        .unwrap();
+    sub.call::<_, KvResponse>(&kv_at(3), KvRequest(vec![Op::Put(b("s1"), b("x"))]))
+        .await
+        .unwrap();
+    sub.abort().unwrap();
+    // Another commits into the parent; the parent then reads it.
+    let sub = tx.sub().unwrap();
+    sub.call::<_, KvResponse>(&kv_at(3), KvRequest(vec![Op::Put(b("s2"), b("y"))]))
+        .await
+        .unwrap();
+    sub.commit().unwrap();
+    assert_eq!(
+        get(&tx, 3, "s2").await.unwrap(),
+        Some(b("y")),
+        "the parent inherits its effects"
+    );
+    // A nested call that fails leaves the parent going.
+    let err = tx
+        .call_nested::<_, KvResponse>(&kv_at(2), KvRequest(vec![Op::Add(b("parent"), 1)]))
+        .await;
+    assert_eq!(err.unwrap_err().status, Status::BadRequest);
+    tx.commit().await.unwrap();
+    wait_for("applied", Duration::from_secs(2), || {
+        stores[2].committed(b"s2").is_some()
+    })
+    .await;
+    assert_eq!(stores[1].committed(b"parent"), Some(b("p")));
+    assert_eq!(
+        stores[1].committed(b"s1"),
+        None,
+        "the aborted sub-transaction left nothing"
+    );
+    assert_eq!(stores[2].committed(b"s1"), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_past_its_deadline_aborts_and_releases_its_locks() {
+    let (c, _stores) = kv_cluster(2, 206, Duration::from_millis(2000)).await;
+    let tx = c
+        .node(1)
+        .rpc()
+        .begin_with_timeout(Some(Duration::from_millis(200)));
+    kv(&tx, 2, vec![Op::Put(b("k"), b("1"))]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let err = tx.commit().await.unwrap_err();
+    assert_eq!(err.status, Status::Aborted);
+    // Its lock is gone: another transaction writes at once.
+    let other = c.node(1).begin();
+    kv(&other, 2, vec![Op::Put(b("k"), b("2"))]).await.unwrap();
+    other.commit().await.unwrap();
+}
+
+/// Transfers between keys spread over nodes, under faults; afterwards every
+/// transaction is all-or-nothing on every node and the total is conserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn atomicity_holds_under_drops_duplicates_delays_and_partitions() {
+    let seed: u64 = 207;
+    let (c, stores) = kv_cluster(4, seed, Duration::from_millis(200)).await;
+    let report = || c.plan.report();
+    // Initial balances: 100 on each of 4 accounts (one per node).
+    let setup = c.node(1).begin();
+    for n in 1..=4 {
+        kv(
+            &setup,
+            n,
+            vec![Op::Put(b("acct"), weft::kv::int_value(100))],
+        )
+        .await
+        .unwrap();
+    }
+    setup.commit().await.unwrap();
+    c.plan.set_default(LinkFaults {
+        drop: 0.05,
+        duplicate: 0.05,
+        reorder: 0.1,
+        delay: Some((Duration::ZERO, Duration::from_millis(3))),
+        scope: FaultScope::Messages,
+    });
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut outcomes = Vec::new();
+    for i in 0..60u32 {
+        if i == 20 {
+            c.plan
+                .partition(&[NodeId(4)], &[NodeId(1), NodeId(2), NodeId(3)]);
+        }
+        if i == 35 {
+            c.plan.heal();
+        }
+        let from = rng.gen_range(1..=4u32);
+        let to = 1 + (from + rng.gen_range(0..3u32)) % 4;
+        let coordinator = c.node(rng.gen_range(1..=3u32));
+        let tx = coordinator.begin();
+        let tid = tx.tid();
+        let marker = format!("m/{tid}");
+        let step = async {
+            kv(
+                &tx,
+                from,
+                vec![Op::Add(b("acct"), -7), Op::Put(b(&marker), b("1"))],
+            )
+            .await?;
+            kv(
+                &tx,
+                to,
+                vec![Op::Add(b("acct"), 7), Op::Put(b(&marker), b("1"))],
+            )
+            .await?;
+            Ok::<_, Failure>(())
+        };
+        let result = match tokio::time::timeout(Duration::from_secs(3), step).await {
+            Ok(Ok(())) => tx.commit().await,
+            Ok(Err(f)) => {
+                let _ = tx.abort(&f.detail).await;
+                Err(f)
+            }
+            Err(_) => {
+                let _ = tx.abort("step timed out").await;
+                Err(Failure::new(Status::TimedOut, "step"))
+            }
+        };
+        outcomes.push((marker, from, to, result.is_ok()));
+    }
+    c.plan.heal();
+    c.plan.calm();
+    // Wait until no transaction is left anywhere (phase two completed,
+    // in-doubt branches resolved).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !c.nodes.iter().all(|n| n.tm().list().is_empty()) {
+        if std::time::Instant::now() > deadline {
+            let live: Vec<_> = c.nodes.iter().map(|n| (n.id(), n.tm().list())).collect();
+            panic!("transactions still live: {live:#?}\n{}", report());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut total = 0;
+    for s in &stores {
+        total += s.committed(b"acct").and_then(|v| parse_int(&v)).unwrap();
+    }
+    assert_eq!(total, 400, "money is conserved\n{}", report());
+    for (marker, from, to, committed) in outcomes {
+        let at_from = stores[(from - 1) as usize]
+            .committed(marker.as_bytes())
+            .is_some();
+        let at_to = stores[(to - 1) as usize]
+            .committed(marker.as_bytes())
+            .is_some();
+        assert_eq!(at_from, at_to, "{marker} is all-or-nothing\n{}", report());
+        if committed {
+            assert!(at_from, "{marker} committed but is missing\n{}", report());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_writes_survive_a_crash_and_restart_from_the_data_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = weft::InprocHub::new();
+    let plan = Arc::new(weft::FaultPlan::new(208));
+    let start = |dir: std::path::PathBuf, join: bool| {
+        let mut b = builder(2, &hub, &plan)
+            .data_dir(dir)
+            .plugin(Arc::new(Kv::new(KvConfig::default())));
+        if join {
+            b = b.join(weft::Seed::Inproc(NodeId(1)));
+        }
+        b.start()
+    };
+    let n1 = builder(1, &hub, &plan).start().await.unwrap();
+    let n2 = start(dir.path().to_path_buf(), true).await.unwrap();
+    let tx = n1.begin();
+    kv(&tx, 2, vec![Op::Put(b("kept"), b("yes"))])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let tx = n1.begin();
+    kv(&tx, 2, vec![Op::Put(b("lost"), b("uncommitted"))])
+        .await
+        .unwrap();
+    n2.crash();
+    drop(n2);
+    let n2 = start(dir.path().to_path_buf(), true).await.unwrap();
+    assert!(n2.incarnation().0 >= 2, "a restart is a new incarnation");
+    assert_eq!(
+        tx.commit().await.unwrap_err().status,
+        Status::Aborted,
+        "its participant died"
+    );
+    let tx = n1.begin();
+    assert_eq!(get(&tx, 2, "kept").await.unwrap(), Some(b("yes")));
+    assert_eq!(get(&tx, 2, "lost").await.unwrap(), None);
+    tx.commit().await.unwrap();
+    // Checkpoint, write more, crash, recover from snapshot plus log.
+    n2.checkpoint().unwrap();
+    let tx = n1.begin();
+    kv(&tx, 2, vec![Op::Put(b("after"), b("checkpoint"))])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    wait_for("applied", Duration::from_secs(2), || {
+        n2.tm().list().is_empty()
+    })
+    .await;
+    n2.crash();
+    drop(n2);
+    let _n2 = start(dir.path().to_path_buf(), true).await.unwrap();
+    let tx = n1.begin();
+    assert_eq!(get(&tx, 2, "kept").await.unwrap(), Some(b("yes")));
+    assert_eq!(get(&tx, 2, "after").await.unwrap(), Some(b("checkpoint")));
+    tx.commit().await.unwrap();
+}
