@@ -520,6 +520,11 @@ impl Endpoint {
         }
     }
 
+    /// For a client: the node it is connected to (which relays its calls).
+    pub fn gateway(&self) -> Option<NodeId> {
+        *self.inner.gateway.lock()
+    }
+
     /// The node serving as the cluster directory, when known.
     pub fn directory(&self) -> Option<NodeId> {
         self.inner.naming.lock().directory
@@ -1019,21 +1024,31 @@ impl Inner {
         }
     }
 
-    pub(crate) fn heard(self: &Arc<Self>, peer: PeerRef) {
-        if peer.role != PeerRole::Node || peer.node == self.cfg.node {
-            return;
-        }
-        let verdict = self.detector.lock().heard(peer.node, Instant::now());
-        if let Some(Verdict::Revived(node)) = verdict {
-            let was_dead = {
-                let mut peers = self.peers.lock();
-                peers
-                    .get_mut(&node)
-                    .map(|e| e.dead.take().is_some())
-                    .unwrap_or(false)
-            };
-            if was_dead {
-                self.emit(MembershipEvent::Revived(node));
+    /// Feeds the failure detector with the links that received frames since
+    /// the last tick.
+    fn collect_heard(self: &Arc<Self>, now: Instant) {
+        let heard: Vec<NodeId> = self
+            .links
+            .lock()
+            .values()
+            .filter(|l| l.take_heard())
+            .filter_map(|l| l.peer_ref())
+            .filter(|p| p.role == PeerRole::Node && p.node != self.cfg.node)
+            .map(|p| p.node)
+            .collect();
+        for node in heard {
+            let verdict = self.detector.lock().heard(node, now);
+            if let Some(Verdict::Revived(node)) = verdict {
+                let was_dead = {
+                    let mut peers = self.peers.lock();
+                    peers
+                        .get_mut(&node)
+                        .map(|e| e.dead.take().is_some())
+                        .unwrap_or(false)
+                };
+                if was_dead {
+                    self.emit(MembershipEvent::Revived(node));
+                }
             }
         }
     }
@@ -1188,6 +1203,7 @@ impl Inner {
                 return;
             }
             let now = Instant::now();
+            inner.collect_heard(now);
             let verdicts = inner.detector.lock().tick(now);
             for v in verdicts {
                 match v {

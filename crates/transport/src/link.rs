@@ -60,6 +60,10 @@ pub(crate) struct Link {
     peer_hint: Mutex<Option<NodeId>>,
     fault: Option<(Arc<FaultPlan>, NodeId)>,
     closed: AtomicBool,
+    /// A frame arrived since the failure detector last looked (any frame is
+    /// a sign of life; the detector collects these flags on each tick, so
+    /// the hot path takes no lock and reads no clock).
+    heard: AtomicBool,
     /// Set when this end decided to fail the link, so that a close triggered
     /// by the peer while we tell it why still reports our reason.
     failing: Mutex<Option<(Status, String)>>,
@@ -94,6 +98,7 @@ impl Link {
             peer_hint: Mutex::new(expected_peer),
             fault: ep.cfg.fault.clone().map(|f| (f, ep.cfg.node)),
             closed: AtomicBool::new(false),
+            heard: AtomicBool::new(false),
             failing: Mutex::new(None),
             phase: tokio::sync::watch::channel(Phase::Handshaking).0,
         })
@@ -147,6 +152,14 @@ impl Link {
     /// The channel kind.
     pub(crate) fn kind(&self) -> ChannelKind {
         self.kind
+    }
+
+    /// The established peer, or `None` while handshaking or once closed.
+    pub(crate) fn peer_ref(&self) -> Option<PeerRef> {
+        match &*self.state.lock() {
+            State::Up(p) => Some(*p),
+            _ => None,
+        }
     }
 
     /// True once the link is closed.
@@ -271,8 +284,15 @@ impl Link {
         }
     }
 
+    /// Returns and clears the "a frame arrived" flag.
+    pub(crate) fn take_heard(&self) -> bool {
+        self.heard.swap(false, Ordering::Relaxed)
+    }
+
     fn dispatch(self: &Arc<Self>, ep: &Arc<Inner>, peer: PeerRef, frame: Frame) {
-        ep.heard(peer);
+        if !self.heard.load(Ordering::Relaxed) {
+            self.heard.store(true, Ordering::Relaxed);
+        }
         match frame {
             Frame::Fragment(piece) => {
                 let result = self.reassembler.lock().accept(piece);

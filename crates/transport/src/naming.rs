@@ -87,29 +87,31 @@ pub enum NamingMsg {
 
 /// The directory's admission rule for a joiner whose id is already taken.
 ///
-/// A live member with the same id on another address or hub is a
-/// configuration error (Refused); otherwise the joiner is that member
-/// restarted, and replaces it.
+/// A live member with the same id somewhere else (another address, or for
+/// nodes without one another in-process hub) is a configuration error
+/// (Refused); otherwise the joiner is that member restarted (a new process at
+/// the same place, hence a new hub), and replaces it.
 pub(crate) fn admission(
     existing: Option<(&NodeInfo, bool)>,
     joiner: &NodeInfo,
 ) -> Result<(), String> {
-    match existing {
-        Some((old, alive))
-            if alive
-                && old.incarnation != joiner.incarnation
-                && (old.addr != joiner.addr || old.hub != joiner.hub) =>
-        {
-            Err(format!(
-                "node id {} is in use by a live node at {}",
-                joiner.id,
-                old.addr
-                    .clone()
-                    .unwrap_or_else(|| format!("hub {:?}", old.hub))
-            ))
-        }
-        _ => Ok(()),
+    let Some((old, alive)) = existing else {
+        return Ok(());
+    };
+    let same_place = match (&old.addr, &joiner.addr) {
+        (Some(a), Some(b)) => a == b,
+        _ => old.hub == joiner.hub,
+    };
+    if alive && old.incarnation != joiner.incarnation && !same_place {
+        return Err(format!(
+            "node id {} is in use by a live node at {}",
+            joiner.id,
+            old.addr
+                .clone()
+                .unwrap_or_else(|| format!("hub {:?}", old.hub))
+        ));
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,14 +1,17 @@
 //! The TCP channel: length-prefixed frames (the wire header carries the
-//! length) over tokio sockets with TCP_NODELAY.
+//! length) over non-blocking sockets with TCP_NODELAY, driven by the tokio
+//! reactor through `AsyncFd`.
 //!
 //! Sending writes straight to the socket from the sender's context when the
 //! socket is idle (no task hop on the fast path); while a write is in
 //! progress, other frames are appended to one buffer and go out together in
 //! the next write (small frames coalesced under load). A writer task takes
-//! over only when the kernel buffer is full. Owns sockets, never protocol
-//! state.
+//! over only when the kernel buffer is full. Receiving reads until a short
+//! read shows the socket drained and only then waits for readiness again, so
+//! a message costs one `recv`, not a second one that fails with EAGAIN.
+//! Owns sockets, never protocol state.
 
-use std::io;
+use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -16,6 +19,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use parking_lot::Mutex;
+use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use weft_wire::{decode_frame, encode_fragmented, Failure, Frame, Limits, NodeId, Status};
@@ -34,9 +38,12 @@ struct WriteState {
     busy: bool,
 }
 
+/// Bytes read from the socket in one `recv`.
+const READ_CHUNK: usize = 64 * 1024;
+
 /// One end of a TCP link.
 pub(crate) struct TcpIo {
-    stream: Arc<TcpStream>,
+    stream: AsyncFd<std::net::TcpStream>,
     write: Mutex<WriteState>,
     flush: Notify,
     peer_max_frame: AtomicUsize,
@@ -46,9 +53,16 @@ pub(crate) struct TcpIo {
 }
 
 impl TcpIo {
-    fn new(stream: TcpStream, limits: &Limits, desc: String) -> Arc<TcpIo> {
-        Arc::new(TcpIo {
-            stream: Arc::new(stream),
+    fn new(stream: TcpStream, limits: &Limits, desc: String) -> io::Result<Arc<TcpIo>> {
+        let std = stream.into_std()?;
+        std.set_nonblocking(true)?;
+        // SAFETY: the AsyncFd owns the TcpStream, which owns its descriptor:
+        // the descriptor stays open and is the same one for as long as the
+        // AsyncFd lives (we never take the stream out or swap it), which is
+        // what `register` requires. Every TCP test runs through here.
+        let stream = unsafe { AsyncFd::register(std) }.map_err(io::Error::from)?;
+        Ok(Arc::new(TcpIo {
+            stream,
             write: Mutex::new(WriteState {
                 buf: BytesMut::with_capacity(8192),
                 busy: false,
@@ -58,14 +72,14 @@ impl TcpIo {
             next_message_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             desc,
-        })
+        }))
     }
 
     /// Writes as much of `chunk` as the socket takes without blocking.
     /// Returns true when all of it was written.
     fn write_now(&self, chunk: &mut BytesMut) -> io::Result<bool> {
         while !chunk.is_empty() {
-            match self.stream.try_write(chunk) {
+            match self.stream.get_ref().write(chunk) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => chunk.advance(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
@@ -103,9 +117,13 @@ impl TcpIo {
                     Ok(true) => {}
                     Ok(false) => {
                         self.requeue(chunk);
-                        if self.stream.writable().await.is_err() {
-                            self.fail(&link, "socket not writable");
-                            return;
+                        match self.stream.writable().await {
+                            // The kernel buffer was full: wait for room.
+                            Ok(mut ready) => ready.clear_ready(),
+                            Err(_) => {
+                                self.fail(&link, "socket not writable");
+                                return;
+                            }
                         }
                     }
                     Err(e) => {
@@ -124,39 +142,50 @@ impl TcpIo {
     }
 
     async fn reader_task(self: Arc<Self>, link: Weak<Link>, limits: Limits) {
-        let mut buf = BytesMut::with_capacity(64 * 1024);
+        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        let mut chunk = vec![0u8; READ_CHUNK];
         loop {
             if self.closed.load(Ordering::Acquire) {
                 return;
             }
-            if buf.capacity() - buf.len() < 4096 {
-                buf.reserve(64 * 1024);
-            }
-            if let Err(e) = self.stream.readable().await {
-                self.fail(&link, &format!("read failed: {e}"));
-                return;
-            }
-            match self.stream.try_read_buf(&mut buf) {
+            let mut ready = match self.stream.readable().await {
+                Ok(r) => r,
+                Err(e) => {
+                    self.fail(&link, &format!("read failed: {e}"));
+                    return;
+                }
+            };
+            match ready.get_inner().read(&mut chunk) {
                 Ok(0) => {
                     self.fail(&link, "connection closed by peer");
                     return;
                 }
-                Ok(_) => loop {
-                    match decode_frame(&mut buf, &limits) {
-                        Ok(Some(frame)) => match link.upgrade() {
-                            Some(l) => l.on_frame(frame),
-                            None => return,
-                        },
-                        Ok(None) => break,
-                        Err(e) => {
-                            if let Some(l) = link.upgrade() {
-                                l.refuse(e.status(), &format!("malformed frame: {e}"));
+                Ok(n) => {
+                    if n < chunk.len() {
+                        // A short read drained the socket: wait for the
+                        // next readiness event instead of trying again.
+                        ready.clear_ready();
+                    }
+                    drop(ready);
+                    buf.extend_from_slice(&chunk[..n]);
+                    loop {
+                        match decode_frame(&mut buf, &limits) {
+                            Ok(Some(frame)) => match link.upgrade() {
+                                Some(l) => l.on_frame(frame),
+                                None => return,
+                            },
+                            Ok(None) => break,
+                            Err(e) => {
+                                if let Some(l) = link.upgrade() {
+                                    l.refuse(e.status(), &format!("malformed frame: {e}"));
+                                }
+                                return;
                             }
-                            return;
                         }
                     }
-                },
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => ready.clear_ready(),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     self.fail(&link, &format!("read failed: {e}"));
                     return;
@@ -216,7 +245,7 @@ impl LinkIo for TcpIo {
 
     fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
-            let _ = socket2::SockRef::from(&*self.stream).shutdown(std::net::Shutdown::Both);
+            let _ = self.stream.get_ref().shutdown(std::net::Shutdown::Both);
             self.flush.notify_one();
         }
     }
@@ -231,19 +260,24 @@ impl LinkIo for TcpIo {
 }
 
 /// Wraps an accepted or connected socket in a link and starts its tasks.
-fn attach(ep: &Arc<Inner>, stream: TcpStream, side: Side, expected: Option<NodeId>) -> Arc<Link> {
-    let _ = stream.set_nodelay(true);
+fn attach(
+    ep: &Arc<Inner>,
+    stream: TcpStream,
+    side: Side,
+    expected: Option<NodeId>,
+) -> io::Result<Arc<Link>> {
+    stream.set_nodelay(true)?;
     let desc = match (stream.local_addr(), stream.peer_addr()) {
         (Ok(l), Ok(p)) => format!("tcp {l} -> {p}"),
         _ => "tcp".to_string(),
     };
+    let io = TcpIo::new(stream, &ep.cfg.limits, desc)?;
     let link = Link::new(ep, side, ChannelKind::Tcp, expected);
-    let io = TcpIo::new(stream, &ep.cfg.limits, desc);
     link.attach(io.clone());
     ep.register_link(&link);
     ep.spawn(io.clone().reader_task(Arc::downgrade(&link), ep.cfg.limits));
     ep.spawn(io.writer_task(Arc::downgrade(&link)));
-    link
+    Ok(link)
 }
 
 /// Binds the listener and spawns the accept loop. Returns the bound address.
@@ -265,7 +299,9 @@ pub(crate) async fn listen(ep: &Arc<Inner>, addr: SocketAddr) -> io::Result<Sock
             if ep.is_crashed() || ep.is_closing() {
                 return;
             }
-            attach(&ep, stream, Side::Acceptor, None);
+            if let Err(e) = attach(&ep, stream, Side::Acceptor, None) {
+                tracing::warn!("cannot set up an accepted connection: {e}");
+            }
         }
     });
     Ok(bound)
@@ -306,7 +342,12 @@ pub(crate) async fn connect(
             ))
         }
     };
-    let link = attach(ep, stream, Side::Initiator, expected);
+    let link = attach(ep, stream, Side::Initiator, expected).map_err(|e| {
+        Failure::new(
+            Status::ProcDead,
+            format!("cannot set up the connection to {addr}: {e}"),
+        )
+    })?;
     link.start();
     Ok(link)
 }

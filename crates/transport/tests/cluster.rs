@@ -414,7 +414,10 @@ async fn a_killed_tcp_peer_is_proc_dead_at_once() {
     b.crash(); // sockets close as when a process is killed
     let err = call.await.unwrap().unwrap_err();
     assert_eq!(err.status, Status::ProcDead, "{err}");
-    converge(std::slice::from_ref(&a), "node 2 dead", |v| alive(v) == vec![1]).await;
+    converge(std::slice::from_ref(&a), "node 2 dead", |v| {
+        alive(v) == vec![1]
+    })
+    .await;
 }
 
 async fn read_frame(sock: &mut tokio::net::TcpStream) -> Option<Frame> {

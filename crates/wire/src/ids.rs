@@ -87,8 +87,9 @@ impl fmt::Display for Incarnation {
 }
 
 /// A transaction id: (coordinator node, node incarnation, sequence). Unique
-/// forever; printed `t<node>.<incarnation>.<seq>`, e.g. `t3.1.1042`.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+/// forever; printed `t<node>.<incarnation>.<seq>`, e.g. `t3.1.1042`. Human
+/// readable formats (JSON) carry that text; binary ones the three numbers.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Tid {
     /// The node that created the transaction and coordinates its commit.
     pub node: NodeId,
@@ -111,6 +112,32 @@ impl Tid {
     /// The coordinating node.
     pub fn coordinator(&self) -> NodeId {
         self.node
+    }
+}
+
+impl Serialize for Tid {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.collect_str(self)
+        } else {
+            (self.node, self.incarnation, self.seq).serialize(s)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Tid {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        if d.is_human_readable() {
+            let text = String::deserialize(d)?;
+            text.parse().map_err(serde::de::Error::custom)
+        } else {
+            let (node, incarnation, seq) = <(NodeId, Incarnation, u64)>::deserialize(d)?;
+            Ok(Tid {
+                node,
+                incarnation,
+                seq,
+            })
+        }
     }
 }
 
