@@ -11,6 +11,9 @@ pub mod msg;
 pub mod recovery;
 pub mod resource;
 
-pub use manager::{CallGuard, Recovered, RecoveryReport, TmConfig, TmStats, TxManager, TxStatus};
+pub use manager::{
+    CallGuard, CrashHook, CrashPoint, Recovered, RecoveryReport, TmConfig, TmStats, TxManager,
+    TxStatus,
+};
 pub use msg::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
 pub use resource::{ParticipationClass, Resource};

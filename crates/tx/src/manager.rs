@@ -1133,7 +1133,15 @@ impl TmInner {
                 Input::Prepare { from, aborted_subs }
             }
             TxMsg::Vote { vote, .. } => Input::Vote { from, vote },
-            TxMsg::Decision { commit: true, .. } => Input::CommitDecision { from },
+            TxMsg::Decision { commit: true, .. } => {
+                if slot
+                    .as_ref()
+                    .is_some_and(|s| s.state.lock().core.in_doubt())
+                {
+                    self.crash_point(CrashPoint::ParticipantPhaseTwo, tid).await;
+                }
+                Input::CommitDecision { from }
+            }
             TxMsg::Decision { commit: false, .. } => Input::AbortNotice {
                 from,
                 reason: "the parent decided abort".into(),
