@@ -1,1 +1,76 @@
-fn main() {}
+//! The `weft` command line: run nodes, inspect clusters, drive transactions
+//! from a shell, run the demo and the benchmarks.
+
+mod bench;
+mod call_cmd;
+mod client;
+mod kv_cmd;
+mod node_cmd;
+mod status_cmd;
+mod tx_cmd;
+
+use clap::{Parser, Subcommand};
+use weft_wire::Failure;
+
+/// weft: a transactional fabric for distributed programs.
+#[derive(Parser, Debug)]
+#[command(name = "weft", version, about, long_about = None)]
+struct Cli {
+    /// Log filter (tracing env-filter syntax), e.g. `info` or `weft_tx=debug`.
+    #[arg(long, global = true, env = "WEFT_LOG", default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run a node until SIGINT/SIGTERM.
+    Node(node_cmd::NodeArgs),
+    /// Show the cluster as one node sees it.
+    Status(status_cmd::StatusArgs),
+    /// Call a service once (diagnostics).
+    Call(call_cmd::CallArgs),
+    /// Begin, commit, abort and inspect transactions.
+    #[command(subcommand)]
+    Tx(tx_cmd::TxCmd),
+    /// Read and write a node's key-value store.
+    #[command(subcommand)]
+    Kv(kv_cmd::KvCmd),
+    /// Benchmarks against same-run baselines.
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let result = runtime.block_on(async move {
+        match cli.cmd {
+            Cmd::Node(a) => node_cmd::run(a).await,
+            Cmd::Status(a) => status_cmd::run(a).await,
+            Cmd::Call(a) => call_cmd::run(a).await,
+            Cmd::Tx(c) => tx_cmd::run(c).await,
+            Cmd::Kv(c) => kv_cmd::run(c).await,
+            Cmd::Bench(c) => bench::run(c).await,
+        }
+    });
+    runtime.shutdown_timeout(std::time::Duration::from_millis(200));
+    if let Err(e) = result {
+        let code = e
+            .downcast_ref::<Failure>()
+            .map(|f| client::exit_code(f.status))
+            .unwrap_or(1);
+        eprintln!("weft: {e:#}");
+        std::process::exit(code);
+    }
+}

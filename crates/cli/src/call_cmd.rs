@@ -1,0 +1,52 @@
+//! `weft call`: one call from the command line, for diagnostics.
+//!
+//! Owns nothing but the mapping from arguments to a raw call: the payload is
+//! sent as bytes and the answer printed as text (hex when not UTF-8).
+
+use weft_wire::{Address, Payload};
+
+use crate::client::{Client, ClientOpts};
+
+/// Flags of `weft call`.
+#[derive(clap::Args, Debug)]
+pub struct CallArgs {
+    #[command(flatten)]
+    pub client: ClientOpts,
+    /// The service to call, as service[.instance]@node (e.g. echo@2).
+    pub address: Address,
+    /// The payload, sent as raw bytes.
+    pub payload: String,
+}
+
+/// Renders bytes as text, or hex when they are not UTF-8.
+pub fn show(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_string(),
+        Err(_) => bytes.iter().map(|b| format!("{b:02x}")).collect(),
+    }
+}
+
+/// Runs `weft call`.
+pub async fn run(args: CallArgs) -> anyhow::Result<()> {
+    let client = Client::connect(&args.client).await?;
+    let started = std::time::Instant::now();
+    let result = client
+        .call_payload(
+            &args.address,
+            Payload::bytes(args.payload.into_bytes()),
+            None,
+        )
+        .await;
+    let took = started.elapsed();
+    client.close().await;
+    let payload = result?;
+    let bytes = payload.into_bytes()?;
+    println!("{}", show(&bytes));
+    eprintln!(
+        "({} bytes from {} in {:.1} ms)",
+        bytes.len(),
+        args.address,
+        took.as_secs_f64() * 1e3
+    );
+    Ok(())
+}

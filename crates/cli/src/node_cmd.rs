@@ -1,0 +1,152 @@
+//! `weft node`: runs one node (with its KV store) until SIGINT or SIGTERM,
+//! then leaves the cluster cleanly.
+//!
+//! Owns the mapping from flags to a node configuration. Must print exactly
+//! one ready line on stdout once the node takes calls (scripts and tests wait
+//! for it).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use weft::kv::{Kv, KvConfig};
+use weft::{ChannelSet, Node, NodeBuilder, Seed, TmConfig};
+use weft_tx::CrashPoint;
+
+use crate::client::{parse_duration, resolve};
+
+/// Flags of `weft node`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct NodeArgs {
+    /// This node's id (1 and up, unique in the cluster).
+    #[arg(long)]
+    pub id: u32,
+    /// TCP address to listen on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:7000")]
+    pub listen: String,
+    /// A member to join; without it this node is the directory of a new
+    /// cluster.
+    #[arg(long)]
+    pub join: Option<String>,
+    /// Where the log, the incarnation and snapshots live (recovered after a
+    /// crash); a temporary directory when absent.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// The cluster secret every node must present.
+    #[arg(
+        long,
+        env = "WEFT_CLUSTER_SECRET",
+        default_value = "",
+        hide_env_values = true
+    )]
+    pub secret: String,
+    /// Do not use shared memory with same-host peers (TCP instead).
+    #[arg(long)]
+    pub no_shm: bool,
+    /// Failure detector: probe interval.
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub heartbeat: Duration,
+    /// Failure detector: a peer silent this long is dead.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub dead_after: Duration,
+    /// Longest wait for a KV lock before LockConflict.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub lock_wait: Duration,
+    /// Test hook: stop transactions at this commit-protocol point and print
+    /// `CRASHPOINT <point> <tid>` (a test then kills the node).
+    #[arg(long, hide = true)]
+    pub crash_at: Option<CrashPoint>,
+}
+
+impl NodeArgs {
+    /// The node builder these flags describe (plugins not included).
+    pub fn builder(&self) -> anyhow::Result<NodeBuilder> {
+        let listen = resolve(&self.listen)?;
+        let mut b = Node::builder(self.id)
+            .listen(listen)
+            .secret(self.secret.as_bytes())
+            .failure_detector(self.heartbeat, self.dead_after)
+            .channels(ChannelSet {
+                inproc: true,
+                shm: !self.no_shm,
+                tcp: true,
+            });
+        if let Some(join) = &self.join {
+            b = b.join(Seed::Tcp(resolve(join)?));
+        }
+        if let Some(dir) = &self.data_dir {
+            b = b.data_dir(dir);
+        }
+        if let Some(point) = self.crash_at {
+            let hook: weft_tx::CrashHook = Arc::new(|point, tid| {
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "CRASHPOINT {point:?} {tid}");
+                let _ = out.flush();
+            });
+            b = b.tm_config(TmConfig {
+                crash_at: Some((point, hook)),
+                ..TmConfig::default()
+            });
+        }
+        Ok(b)
+    }
+}
+
+/// Runs `weft node`.
+pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
+    let kv = Kv::new(KvConfig {
+        lock_wait: args.lock_wait,
+        dir: None,
+    });
+    let node = args
+        .builder()?
+        .plugin(Arc::new(kv))
+        .start()
+        .await
+        .with_context(|| format!("node {} did not start", args.id))?;
+    announce(&node);
+    wait_for_signal().await;
+    eprintln!("weft node {}: shutting down", node.id());
+    node.shutdown().await;
+    Ok(())
+}
+
+/// Prints the ready line: `weft node <id> incarnation <n> listening on <addr>`.
+pub fn announce(node: &Node) {
+    let addr = node
+        .addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|| "-".into());
+    let rec = node.recovery();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "weft node {} incarnation {} listening on {} (data {}, recovered: {} redriven, {} in doubt)",
+        node.id(),
+        node.incarnation(),
+        addr,
+        node.data_dir().display(),
+        rec.redriven.len(),
+        rec.in_doubt.len()
+    );
+    let _ = out.flush();
+}
+
+/// Waits for SIGINT or SIGTERM.
+pub async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler installs");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
