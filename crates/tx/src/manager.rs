@@ -404,6 +404,9 @@ impl TxManager {
             };
         }
         if st.core.add_child(to, incarnation) {
+            // The callee may prepare durable state: this node will then force
+            // a record (prepare, or the coordinator's commit record).
+            expect_force(&mut st, &inner.log);
             Ok(())
         } else {
             Err(not_active(ctx.tid, &st))
@@ -465,6 +468,9 @@ impl TxManager {
             merge_baggage(&mut st.baggage, &ctx.baggage);
         }
         if let Some((r, class)) = resource {
+            if class == ParticipationClass::TwoPhase {
+                expect_force(&mut st, &inner.log);
+            }
             enlist(&mut st, r, class);
         }
         drop(st);
@@ -484,6 +490,9 @@ impl TxManager {
             return Err(not_active(tid, &st));
         }
         let class = resource.class();
+        if class == ParticipationClass::TwoPhase {
+            expect_force(&mut st, &inner.log);
+        }
         enlist(&mut st, resource, class);
         Ok(())
     }
@@ -515,14 +524,6 @@ impl TxManager {
             }
             let (tx, rx) = oneshot::channel();
             st.waiters.push(tx);
-            if st.intent.is_none()
-                && st
-                    .enlisted
-                    .iter()
-                    .any(|e| e.class == ParticipationClass::TwoPhase)
-            {
-                st.intent = Some(inner.log.intent());
-            }
             rx
         };
         let span = tracing::debug_span!("commit", %tid);
@@ -729,6 +730,18 @@ fn not_active(tid: Tid, st: &SlotState) -> Failure {
     }
 }
 
+/// Registers a force intent for the transaction, once: it will (most likely)
+/// force a log record here before it ends (a prepare record, or the
+/// coordinator's commit record). The log's flusher waits briefly for
+/// transactions with intents before syncing, so concurrent committers share
+/// one fdatasync; a transaction alone never waits (its own intent turns into
+/// its force). Dropped when the transaction forces or ends.
+fn expect_force(st: &mut SlotState, log: &Log) {
+    if st.intent.is_none() && st.core.is_active() {
+        st.intent = Some(log.intent());
+    }
+}
+
 fn enlist(st: &mut SlotState, resource: Arc<dyn Resource>, class: ParticipationClass) {
     if class == ParticipationClass::NoState {
         return;
@@ -860,9 +873,6 @@ impl TmInner {
                     let vote = local_vote_volatile(&slot.state.lock());
                     self.input(slot, Input::LocalVote(vote)).await;
                 } else {
-                    if two_phase && slot.state.lock().intent.is_none() {
-                        slot.state.lock().intent = Some(self.log.intent());
-                    }
                     let me = Arc::clone(self);
                     let slot = Arc::clone(slot);
                     tokio::spawn(async move {

@@ -41,6 +41,10 @@ pub struct CommitArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// How long a log flush may wait for imminent committers (group commit);
+    /// the log's default when absent.
+    #[arg(long, value_parser = parse_duration)]
+    pub group_commit_delay: Option<Duration>,
 }
 
 /// What one run measured.
@@ -58,7 +62,11 @@ struct Cluster {
     _dir: tempfile::TempDir,
 }
 
-async fn start_cluster(n: u32, base: &std::path::Path) -> anyhow::Result<Cluster> {
+async fn start_cluster(
+    n: u32,
+    base: &std::path::Path,
+    group_commit_delay: Option<Duration>,
+) -> anyhow::Result<Cluster> {
     let dir = tempfile::Builder::new()
         .prefix(".weft-bench-commit-")
         .tempdir_in(base)?;
@@ -70,6 +78,9 @@ async fn start_cluster(n: u32, base: &std::path::Path) -> anyhow::Result<Cluster
             .data_dir(dir.path().join(format!("n{id}")))
             .checkpoint_every(None)
             .plugin(Arc::new(Kv::new(KvConfig::default())));
+        if let Some(d) = group_commit_delay {
+            b = b.log_config(move |c| c.group_commit_max_delay(d));
+        }
         if id > 1 {
             b = b.join(Seed::Inproc(NodeId(1)));
         }
@@ -174,7 +185,7 @@ async fn run_clients(c: &Cluster, clients: usize, dur: Duration, read_only: bool
 pub async fn run(args: CommitArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.nodes >= 3, "--nodes must be at least 3");
     let pb = progress(&format!("starting {} nodes", args.nodes));
-    let cluster = start_cluster(args.nodes, &args.dir).await?;
+    let cluster = start_cluster(args.nodes, &args.dir, args.group_commit_delay).await?;
     let mut report = serde_json::Map::new();
     let mut rows = Vec::new();
     for &c in &args.clients {
