@@ -87,8 +87,17 @@ pub(crate) struct State {
     pub lazy_since: Option<Instant>,
     /// Force intents registered and not yet turned into forces or dropped.
     pub intents: usize,
-    /// Deadline of the flusher's current wait for intents.
+    /// Deadline of the flusher's current wait for intents or for a batch.
     pub group_deadline: Option<Instant>,
+    /// Force requests registered since the flusher last took a batch to sync.
+    pub pending_forces: usize,
+    /// When the previous force request arrived.
+    pub last_force_at: Option<Instant>,
+    /// Smoothed gap between force requests, in nanoseconds (the rate estimate).
+    pub force_gap_ns: f64,
+    /// Smoothed number of force requests each sync covered (the concurrency estimate: a
+    /// lone committer's syncs cover one request each, however fast it loops).
+    pub batch_avg: f64,
     /// LSN of the last durable record; 0 if none.
     pub durable_lsn: u64,
     /// Position right after the durable prefix of the log.
@@ -106,6 +115,15 @@ pub(crate) struct State {
     /// Buffers the flusher gave back, reused by appends.
     pub spare: Vec<Vec<u8>>,
 }
+
+/// Rate estimate before any force request: one per second (no batching).
+const INITIAL_FORCE_GAP_NS: f64 = 1e9;
+/// Weight of the newest gap in the smoothed gap.
+const FORCE_GAP_WEIGHT: f64 = 0.125;
+/// Weight of the newest batch in the smoothed batch size.
+const BATCH_WEIGHT: f64 = 0.25;
+/// Smoothed requests per sync from which the flusher considers waiting for a batch.
+const MIN_CONCURRENCY: f64 = 3.0;
 
 /// Spare buffers kept for reuse, and the largest one kept.
 const MAX_SPARE_BUFFERS: usize = 4;
@@ -127,6 +145,10 @@ impl State {
             lazy_since: None,
             intents: 0,
             group_deadline: None,
+            pending_forces: 0,
+            last_force_at: None,
+            force_gap_ns: INITIAL_FORCE_GAP_NS,
+            batch_avg: 1.0,
             durable_lsn: last_lsn,
             durable_end: seg_base + seg_offset,
             first_lsn,
@@ -220,12 +242,26 @@ impl State {
     /// Returns [`LogError::NotAppended`] for an LSN beyond the last record, and
     /// [`LogError::Poisoned`] / [`LogError::Closed`] if `lsn` is not durable and can no longer
     /// become durable.
-    pub(crate) fn request_force(&mut self, lsn: u64) -> Result<Request> {
+    pub(crate) fn request_force(
+        &mut self,
+        lsn: u64,
+        now: Instant,
+        batch: usize,
+    ) -> Result<Request> {
         if lsn <= self.durable_lsn {
             return Ok(Request::Durable);
         }
         self.check_waitable(lsn)?;
-        let wake_flusher = self.force_target <= self.durable_lsn;
+        if let Some(prev) = self.last_force_at {
+            let gap = now.saturating_duration_since(prev).as_nanos() as f64;
+            self.force_gap_ns +=
+                FORCE_GAP_WEIGHT * (gap.min(INITIAL_FORCE_GAP_NS) - self.force_gap_ns);
+        }
+        self.last_force_at = Some(now);
+        self.pending_forces += 1;
+        // Wake the flusher for the first request since the last sync, and when a batch
+        // it may be waiting for is complete.
+        let wake_flusher = self.force_target <= self.durable_lsn || self.pending_forces == batch;
         self.force_target = self.force_target.max(lsn);
         Ok(Request::Wait { wake_flusher })
     }
@@ -334,6 +370,18 @@ impl State {
                     Some(_) => add(&counters.intent_wait_timeouts, 1),
                 }
             }
+            if self.worth_batching(now, config) {
+                match self.group_deadline {
+                    None => {
+                        let deadline = now + config.group_commit_max_delay;
+                        self.group_deadline = Some(deadline);
+                        add(&counters.batch_waits, 1);
+                        return Plan::AwaitIntents(deadline);
+                    }
+                    Some(deadline) if now < deadline => return Plan::AwaitIntents(deadline),
+                    Some(_) => {}
+                }
+            }
             self.group_deadline = None;
             return Plan::Flush { sync: true };
         }
@@ -344,9 +392,35 @@ impl State {
         Plan::Sleep(lazy_due)
     }
 
+    /// True when a sync should wait for more force requests: recent syncs each covered
+    /// several requests (committers are concurrent, not one committer looping), fewer than
+    /// the target batch are pending, and at the recent arrival rate at least a quarter of a
+    /// batch will have arrived before the deadline.
+    fn worth_batching(&self, now: Instant, config: &LogConfig) -> bool {
+        let batch = config.group_commit_batch;
+        if batch <= 1
+            || config.group_commit_max_delay.is_zero()
+            || self.pending_forces >= batch
+            || self.batch_avg < MIN_CONCURRENCY
+        {
+            return false;
+        }
+        let left = match self.group_deadline {
+            Some(d) => d.saturating_duration_since(now),
+            None => config.group_commit_max_delay,
+        };
+        let expected =
+            self.pending_forces as f64 + left.as_nanos() as f64 / self.force_gap_ns.max(1.0);
+        expected >= (batch as f64 / 4.0).max(2.0)
+    }
+
     /// Takes every buffered record for the flusher.
     pub(crate) fn take_batch(&mut self) -> Batch {
         self.pending_bytes = 0;
+        if self.pending_forces > 0 {
+            self.batch_avg += BATCH_WEIGHT * (self.pending_forces as f64 - self.batch_avg);
+        }
+        self.pending_forces = 0;
         Batch {
             chunks: std::mem::take(&mut self.pending),
             last_lsn: self.last_lsn,
@@ -432,7 +506,7 @@ impl Shared {
         let (request, wake) = {
             let mut st = self.state.lock();
             let wake_for_intent = from_intent && st.release_intent();
-            let request = st.request_force(lsn);
+            let request = st.request_force(lsn, Instant::now(), self.config.group_commit_batch);
             let wake =
                 wake_for_intent || matches!(request, Ok(Request::Wait { wake_flusher: true }));
             (request, wake)
@@ -533,6 +607,83 @@ mod tests {
     }
 
     #[test]
+    fn a_fast_stream_of_forces_waits_for_a_batch_a_slow_one_does_not() {
+        let cfg = config(); // max delay 1 ms, batch 16
+        let counters = Counters::default();
+        let crc = record::payload_crc(b"x");
+        // Requests 20 µs apart, and recent syncs covered many requests each: 50 would
+        // arrive within the delay, so the flusher waits.
+        let mut st = fresh();
+        st.batch_avg = 8.0;
+        let t0 = Instant::now();
+        let mut lsn = 0;
+        for i in 0..4u32 {
+            lsn = st.append(&cfg, RecordTag(1), b"x", crc).unwrap().0;
+            let at = t0 + Duration::from_micros(20 * u64::from(i));
+            st.request_force(lsn, at, cfg.group_commit_batch).unwrap();
+        }
+        let now = t0 + Duration::from_micros(80);
+        assert!(matches!(
+            st.plan(now, &cfg, &counters),
+            Plan::AwaitIntents(_)
+        ));
+        // The batch completes: the request that makes it 16 wakes the flusher, which syncs.
+        let mut woke = false;
+        for i in 4..16u32 {
+            lsn = st.append(&cfg, RecordTag(1), b"x", crc).unwrap().0;
+            let at = t0 + Duration::from_micros(20 * u64::from(i));
+            woke = matches!(
+                st.request_force(lsn, at, cfg.group_commit_batch).unwrap(),
+                Request::Wait { wake_flusher: true }
+            );
+        }
+        assert!(woke, "the 16th request wakes the flusher");
+        assert_eq!(st.plan(now, &cfg, &counters), Plan::Flush { sync: true });
+        assert_eq!(counters.snapshot().batch_waits, 1);
+        let _ = st.take_batch();
+        assert_eq!(st.pending_forces, 0);
+
+        // Requests 2 ms apart (a serialized hot spot): each syncs at once.
+        let mut st = fresh();
+        st.batch_avg = 8.0;
+        for i in 0..4u32 {
+            let at = t0 + Duration::from_millis(2 * u64::from(i));
+            lsn = st.append(&cfg, RecordTag(1), b"x", crc).unwrap().0;
+            st.request_force(lsn, at, 16).unwrap();
+            assert_eq!(
+                st.plan(at, &cfg, &counters),
+                Plan::Flush { sync: true },
+                "request {i}"
+            );
+            let batch = st.take_batch();
+            st.publish_durable(batch.last_lsn, batch.end, at);
+        }
+    }
+
+    #[test]
+    fn a_lone_committer_looping_fast_never_waits_for_a_batch() {
+        let cfg = config();
+        let counters = Counters::default();
+        let crc = record::payload_crc(b"x");
+        let mut st = fresh();
+        let t0 = Instant::now();
+        // One request per sync, 10 µs apart: fast, but never concurrent.
+        for i in 0..50u32 {
+            let at = t0 + Duration::from_micros(10 * u64::from(i));
+            let lsn = st.append(&cfg, RecordTag(1), b"x", crc).unwrap().0;
+            st.request_force(lsn, at, cfg.group_commit_batch).unwrap();
+            assert_eq!(
+                st.plan(at, &cfg, &counters),
+                Plan::Flush { sync: true },
+                "request {i}"
+            );
+            let batch = st.take_batch();
+            st.publish_durable(batch.last_lsn, batch.end, at);
+        }
+        assert_eq!(counters.snapshot().batch_waits, 0);
+    }
+
+    #[test]
     fn lone_force_syncs_at_once_and_intents_make_it_wait_bounded() {
         let cfg = config();
         let counters = Counters::default();
@@ -542,7 +693,7 @@ mod tests {
         let t0 = Instant::now();
         assert_eq!(st.plan(t0, &cfg, &counters), Plan::Sleep(None));
         assert_eq!(
-            st.request_force(lsn).unwrap(),
+            st.request_force(lsn, Instant::now(), 16).unwrap(),
             Request::Wait { wake_flusher: true }
         );
         assert_eq!(st.plan(t0, &cfg, &counters), Plan::Flush { sync: true });
@@ -600,10 +751,13 @@ mod tests {
         let counters = Counters::default();
         let mut st = fresh();
         assert!(matches!(
-            st.request_force(1000),
+            st.request_force(1000, Instant::now(), 16),
             Err(LogError::NotAppended { .. })
         ));
-        assert_eq!(st.request_force(0).unwrap(), Request::Durable);
+        assert_eq!(
+            st.request_force(0, Instant::now(), 16).unwrap(),
+            Request::Durable
+        );
         let crc = record::payload_crc(b"x");
         st.append(&cfg, RecordTag(1), b"x", crc).unwrap();
         st.closing = true;

@@ -30,6 +30,9 @@ pub struct LogStats {
     pub intent_waits: u64,
     /// Of those, how many ended because `group_commit_max_delay` ran out.
     pub intent_wait_timeouts: u64,
+    /// Times the flusher delayed a sync because force requests were arriving
+    /// fast enough to fill a batch within `group_commit_max_delay`.
+    pub batch_waits: u64,
     /// Syncs started because a `when_durable` waiter's interval ran out.
     pub lazy_syncs: u64,
     /// Segment files created by rollovers since the log was opened.
@@ -72,6 +75,7 @@ impl LogStats {
             intent_wait_timeouts: self
                 .intent_wait_timeouts
                 .saturating_sub(earlier.intent_wait_timeouts),
+            batch_waits: self.batch_waits.saturating_sub(earlier.batch_waits),
             lazy_syncs: self.lazy_syncs.saturating_sub(earlier.lazy_syncs),
             segments_created: self
                 .segments_created
@@ -97,6 +101,7 @@ pub(crate) struct Counters {
     pub intents: AtomicU64,
     pub intent_waits: AtomicU64,
     pub intent_wait_timeouts: AtomicU64,
+    pub batch_waits: AtomicU64,
     pub lazy_syncs: AtomicU64,
     pub segments_created: AtomicU64,
     pub segments_deleted: AtomicU64,
@@ -123,6 +128,7 @@ impl Counters {
             intents: r(&self.intents),
             intent_waits: r(&self.intent_waits),
             intent_wait_timeouts: r(&self.intent_wait_timeouts),
+            batch_waits: r(&self.batch_waits),
             lazy_syncs: r(&self.lazy_syncs),
             segments_created: r(&self.segments_created),
             segments_deleted: r(&self.segments_deleted),

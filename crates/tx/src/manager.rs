@@ -404,9 +404,6 @@ impl TxManager {
             };
         }
         if st.core.add_child(to, incarnation) {
-            // The callee may prepare durable state: this node will then force
-            // a record (prepare, or the coordinator's commit record).
-            expect_force(&mut st, &inner.log);
             Ok(())
         } else {
             Err(not_active(ctx.tid, &st))
@@ -468,9 +465,6 @@ impl TxManager {
             merge_baggage(&mut st.baggage, &ctx.baggage);
         }
         if let Some((r, class)) = resource {
-            if class == ParticipationClass::TwoPhase {
-                expect_force(&mut st, &inner.log);
-            }
             enlist(&mut st, r, class);
         }
         drop(st);
@@ -490,9 +484,6 @@ impl TxManager {
             return Err(not_active(tid, &st));
         }
         let class = resource.class();
-        if class == ParticipationClass::TwoPhase {
-            expect_force(&mut st, &inner.log);
-        }
         enlist(&mut st, resource, class);
         Ok(())
     }
@@ -524,6 +515,14 @@ impl TxManager {
             }
             let (tx, rx) = oneshot::channel();
             st.waiters.push(tx);
+            if !st.core.children().is_empty()
+                || st
+                    .enlisted
+                    .iter()
+                    .any(|e| e.class == ParticipationClass::TwoPhase)
+            {
+                expect_force(&mut st, &inner.log);
+            }
             rx
         };
         let span = tracing::debug_span!("commit", %tid);
@@ -730,14 +729,15 @@ fn not_active(tid: Tid, st: &SlotState) -> Failure {
     }
 }
 
-/// Registers a force intent for the transaction, once: it will (most likely)
-/// force a log record here before it ends (a prepare record, or the
-/// coordinator's commit record). The log's flusher waits briefly for
-/// transactions with intents before syncing, so concurrent committers share
-/// one fdatasync; a transaction alone never waits (its own intent turns into
-/// its force). Dropped when the transaction forces or ends.
+/// Registers a force intent for the transaction, once, when a force is
+/// imminent: the coordinator starts commit (its commit record follows the
+/// votes), a participant is asked to prepare. The log's flusher waits briefly
+/// for transactions with intents before syncing, so concurrent committers
+/// share one fdatasync; a transaction alone never waits (its own intent turns
+/// into its force). Not earlier: a transaction still working (or waiting for
+/// a lock) must not hold the flusher back. Dropped when it forces or ends.
 fn expect_force(st: &mut SlotState, log: &Log) {
-    if st.intent.is_none() && st.core.is_active() {
+    if st.intent.is_none() && matches!(st.core.phase(), Phase::Active) {
         st.intent = Some(log.intent());
     }
 }
@@ -1139,6 +1139,9 @@ impl TmInner {
                     ));
                     self.send(from, TxMsg::Vote { tid, vote });
                     return;
+                }
+                if let Some(slot) = &slot {
+                    expect_force(&mut slot.state.lock(), &self.log);
                 }
                 Input::Prepare { from, aborted_subs }
             }
