@@ -616,7 +616,7 @@ mod tests {
         let mut st = fresh();
         st.batch_avg = 8.0;
         let t0 = Instant::now();
-        let mut lsn = 0;
+        let mut lsn;
         for i in 0..4u32 {
             lsn = st.append(&cfg, RecordTag(1), b"x", crc).unwrap().0;
             let at = t0 + Duration::from_micros(20 * u64::from(i));
