@@ -98,7 +98,7 @@ impl NodeArgs {
 pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let kv = Kv::new(KvConfig {
         lock_wait: args.lock_wait,
-        dir: None,
+        ..KvConfig::default()
     });
     let node = args
         .builder()?

@@ -13,4 +13,4 @@ pub mod snapshot;
 pub mod store;
 
 pub use api::{int_value, parse_int, KvRecord, KvRequest, KvResponse, Op, Reply, KV_RECORD_TAG};
-pub use service::{Kv, KvConfig, KvStats, SERVICE};
+pub use service::{Kv, KvConfig, KvStats, Locking, SERVICE};

@@ -47,6 +47,16 @@ impl LockOwner for Xid {
     }
 }
 
+/// Who isolates concurrent transactions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Locking {
+    /// The store locks every key it touches (strict two-phase locking).
+    Strict2PL,
+    /// The caller locks before it calls (e.g. Raid's concurrency controller):
+    /// the store takes no locks. Only for callers that guarantee isolation.
+    External,
+}
+
 /// KV settings.
 #[derive(Clone, Debug)]
 pub struct KvConfig {
@@ -54,6 +64,8 @@ pub struct KvConfig {
     pub lock_wait: Duration,
     /// Where snapshots go; by default `kv/` next to the node's log directory.
     pub dir: Option<PathBuf>,
+    /// Who locks.
+    pub locking: Locking,
 }
 
 impl Default for KvConfig {
@@ -61,6 +73,7 @@ impl Default for KvConfig {
         KvConfig {
             lock_wait: Duration::from_secs(1),
             dir: None,
+            locking: Locking::Strict2PL,
         }
     }
 }
@@ -134,6 +147,18 @@ impl Kv {
             .cloned()
     }
 
+    /// The keys of every prepared write set still waiting for its outcome
+    /// (after recovery: the branches in doubt). A caller that locks for the
+    /// store ([`Locking::External`]) re-locks these at start-up.
+    pub fn prepared(&self) -> Vec<(Tid, Vec<Bytes>)> {
+        let store = self.inner.store.read();
+        let mut tids = store.prepared_tids();
+        tids.sort();
+        tids.into_iter()
+            .map(|t| (t, store.prepared_keys(t)))
+            .collect()
+    }
+
     /// Every committed pair whose key starts with `prefix`, in key order.
     pub fn committed_with_prefix(&self, prefix: &[u8]) -> Vec<(Bytes, Bytes)> {
         self.inner
@@ -178,6 +203,9 @@ impl Kv {
         mode: LockMode,
         deadline: Option<Instant>,
     ) -> Result<(), Failure> {
+        if self.inner.cfg.locking == Locking::External {
+            return Ok(());
+        }
         let mut bound = self.inner.cfg.lock_wait;
         if let Some(d) = deadline {
             bound = bound.min(d.saturating_duration_since(Instant::now()));
@@ -409,9 +437,7 @@ impl Plugin for Kv {
             }
         }
         let (mut redone, mut dropped, mut in_doubt) = (0, 0, 0);
-        let mut tids = store.prepared_tids();
-        tids.sort();
-        for tid in tids {
+        for tid in store.prepared_in_log_order() {
             match tm.recovered(tid) {
                 Some(Recovered::Committed) => {
                     store.commit(tid);

@@ -239,6 +239,20 @@ impl Store {
         self.prepared.keys().copied().collect()
     }
 
+    /// Transactions with a prepared write set, in the order of their prepare
+    /// records in the log: for transactions that wrote the same key, strict
+    /// two-phase locking makes that the order their writes were applied in,
+    /// so recovery redoes them in it.
+    pub fn prepared_in_log_order(&self) -> Vec<Tid> {
+        let mut v: Vec<(u64, Tid)> = self
+            .prepared
+            .iter()
+            .map(|(t, (_, lsn))| (*lsn, *t))
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, t)| t).collect()
+    }
+
     /// The keys of a prepared write set.
     pub fn prepared_keys(&self, tid: Tid) -> Vec<Bytes> {
         self.prepared

@@ -575,4 +575,8 @@ impl Plugin for PgParticipant {
     fn checkpoint(&self, _log: &Log) -> Result<Option<Lsn>, Failure> {
         Ok(None)
     }
+
+    fn crash(&self) {
+        PgParticipant::crash(self);
+    }
 }

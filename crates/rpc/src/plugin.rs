@@ -48,4 +48,9 @@ pub trait Plugin: Send + Sync + 'static {
     fn checkpoint(&self, _log: &Log) -> Result<Option<Lsn>, Failure> {
         Ok(None)
     }
+
+    /// The node is being killed as a process would be (tests simulating a
+    /// crash in-process): drop external connections and stop background
+    /// work without any orderly goodbye. Default: nothing.
+    fn crash(&self) {}
 }

@@ -789,6 +789,9 @@ impl TxCore {
                         ));
                     }
                 }
+                // Phase two may be complete already (a branch recovered
+                // committed, with nobody left to tell): finish it.
+                self.check_acks(out);
             }
             _ => {}
         }

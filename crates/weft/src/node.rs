@@ -474,5 +474,8 @@ impl Node {
     pub fn crash(&self) {
         self.inner.endpoint.crash();
         self.inner.log.crash();
+        for p in &self.inner.plugins {
+            p.crash();
+        }
     }
 }

@@ -41,7 +41,7 @@ async fn kv_cluster(n: u32, seed: u64, lock_wait: Duration) -> (Cluster, Vec<Kv>
         .map(|_| {
             Kv::new(KvConfig {
                 lock_wait,
-                dir: None,
+                ..KvConfig::default()
             })
         })
         .collect();

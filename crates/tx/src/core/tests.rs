@@ -560,3 +560,21 @@ fn a_branch_of_a_live_transaction_keeps_waiting() {
         "Pending: the coordinator still runs it"
     );
 }
+
+#[test]
+fn a_branch_recovered_committed_with_nothing_left_to_do_finishes() {
+    let cfg = CoreConfig::default();
+    let t0 = Instant::now();
+    let mut core = TxCore::recovered_committed(tid(), Some(n(1)), vec![], cfg);
+    assert_eq!(core.phase(), &Phase::Committing);
+    assert!(
+        core.step(Input::Tick(t0)).is_empty(),
+        "the first tick arms the timer"
+    );
+    let acts = core.step(Input::Tick(t0 + Duration::from_secs(1)));
+    assert!(
+        acts.contains(&Action::Send(n(1), TxMsg::Ack { tid: tid() })),
+        "{acts:?}"
+    );
+    assert_eq!(core.phase(), &Phase::Done(Some(Outcome::Committed)));
+}

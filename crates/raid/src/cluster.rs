@@ -1,0 +1,199 @@
+//! An in-process Raid cluster: one weft node per site (in-process channels
+//! between them), each with durable data in its own directory. Used by
+//! `weft demo`, the debitcredit benchmark and tests.
+//!
+//! Owns starting, loading, auditing and measuring such a cluster. Must keep
+//! every site's data on disk (fsync real), as a multi-process cluster would.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use weft::{FaultPlan, InprocHub, Node, NodeId, Seed};
+use weft_wire::Failure;
+
+use crate::ad::Ad;
+use crate::audit::Audit;
+use crate::load::{load_store, LoadRequest};
+use crate::rc::Replicas;
+use crate::schema::Sizes;
+use crate::site::{RaidSite, SiteConfig};
+
+/// How to start an in-process cluster.
+#[derive(Clone)]
+pub struct ClusterOptions {
+    /// Site settings.
+    pub site: SiteConfig,
+    /// Faults on every link (tests).
+    pub fault: Option<Arc<FaultPlan>>,
+    /// Failure-detector timing: probe interval and death bound.
+    pub detector: (Duration, Duration),
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            site: SiteConfig::default(),
+            fault: None,
+            detector: (Duration::from_millis(100), Duration::from_millis(1000)),
+        }
+    }
+}
+
+/// Frames and log forces, summed over the cluster's nodes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Requests, responses and protocol messages sent.
+    pub messages: u64,
+    /// fdatasyncs of the nodes' logs.
+    pub forces: u64,
+}
+
+/// A running in-process cluster.
+pub struct RaidCluster {
+    /// The nodes, site 1 first.
+    pub nodes: Vec<Node>,
+    /// Their Raid sites.
+    pub sites: Vec<RaidSite>,
+    hub: Arc<InprocHub>,
+    opts: ClusterOptions,
+    _dir: tempfile::TempDir,
+}
+
+impl RaidCluster {
+    /// Starts `n` sites with data directories under a new temporary directory
+    /// in `base` (removed with the cluster).
+    ///
+    /// Fails when a node does not start.
+    pub async fn start(n: u32, base: &Path, opts: ClusterOptions) -> Result<RaidCluster, Failure> {
+        let dir = tempfile::Builder::new()
+            .prefix(".weft-raid-")
+            .tempdir_in(base)
+            .map_err(|e| {
+                Failure::new(
+                    weft_wire::Status::Internal,
+                    format!("temporary directory: {e}"),
+                )
+            })?;
+        let hub = InprocHub::new();
+        let mut c = RaidCluster {
+            nodes: Vec::new(),
+            sites: Vec::new(),
+            hub,
+            opts,
+            _dir: dir,
+        };
+        for id in 1..=n {
+            let (node, site) = c.start_site(id).await?;
+            c.nodes.push(node);
+            c.sites.push(site);
+        }
+        Ok(c)
+    }
+
+    async fn start_site(&self, id: u32) -> Result<(Node, RaidSite), Failure> {
+        let site = RaidSite::new(self.opts.site.clone());
+        let mut b = Node::builder(id)
+            .hub(self.hub.clone())
+            .data_dir(self._dir.path().join(format!("site{id}")))
+            .failure_detector(self.opts.detector.0, self.opts.detector.1)
+            .plugin(Arc::new(site.clone()));
+        if let Some(f) = &self.opts.fault {
+            b = b.fault(f.clone());
+        }
+        if id > 1 {
+            b = b.join(Seed::Inproc(NodeId(1)));
+        }
+        let node = b
+            .start()
+            .await
+            .map_err(|e| Failure::new(weft_wire::Status::Internal, format!("site {id}: {e}")))?;
+        Ok((node, site))
+    }
+
+    /// Crashes site `id` and starts it again from its data directory.
+    ///
+    /// Fails when it does not restart.
+    pub async fn restart(&mut self, id: u32) -> Result<(), Failure> {
+        let i = (id - 1) as usize;
+        self.nodes[i].crash();
+        let (node, site) = self.start_site(id).await?;
+        self.nodes[i] = node;
+        self.sites[i] = site;
+        Ok(())
+    }
+
+    /// Loads every copy.
+    ///
+    /// Fails when a copy cannot be loaded.
+    pub async fn load(&self, sizes: Sizes) -> Result<(), Failure> {
+        let loads = self.nodes.iter().zip(&self.sites).map(|(node, site)| {
+            let participant = site.clone();
+            async move {
+                let p = participant.participant_handle();
+                load_store(node.rpc(), site.store(), p, LoadRequest { sizes }).await
+            }
+        });
+        for r in futures::future::join_all(loads).await {
+            r?;
+        }
+        Ok(())
+    }
+
+    /// One action driver per site, writing to every site's copy.
+    ///
+    /// Fails before the nodes started.
+    pub fn ads(&self) -> Result<Vec<Ad>, Failure> {
+        let all: Vec<NodeId> = self.nodes.iter().map(|n| n.id()).collect();
+        self.nodes
+            .iter()
+            .zip(&self.sites)
+            .map(|(n, s)| s.ad(Replicas::new(all.clone(), n.id())))
+            .collect()
+    }
+
+    /// Audits every copy.
+    pub fn audit(&self) -> Audit {
+        Audit {
+            sites: self
+                .nodes
+                .iter()
+                .zip(&self.sites)
+                .map(|(n, s)| (n.id(), s.audit()))
+                .collect(),
+        }
+    }
+
+    /// Waits until no transaction is live at any site (phase two done,
+    /// in-doubt branches resolved), up to `limit`. Returns whether it
+    /// happened.
+    pub async fn quiesce(&self, limit: Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < deadline {
+            if self.nodes.iter().all(|n| n.tm().list().is_empty()) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    /// Messages and forces so far.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            messages: self
+                .nodes
+                .iter()
+                .map(|n| n.endpoint().stats().work_messages())
+                .sum(),
+            forces: self.nodes.iter().map(|n| n.log().stats().syncs).sum(),
+        }
+    }
+
+    /// Stops every node.
+    pub async fn shutdown(self) {
+        for n in &self.nodes {
+            n.shutdown().await;
+        }
+    }
+}

@@ -1,0 +1,412 @@
+//! A Raid site: the access manager (AM, a weft KV store whose isolation is
+//! left to the CC), the concurrency controller (CC), the site's part of the
+//! replication controller (RC: executing a transaction's operations on this
+//! copy) and the services through which action drivers reach it. The
+//! atomicity controller (AC) is weft's transaction manager itself.
+//!
+//! Owns the site's services and its participant in commit. Must never let a
+//! transaction see another's uncommitted write, nor release a lock before
+//! the write it protects is applied.
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use weft_kv::lock::LockMode;
+use weft_kv::{Kv, KvConfig, Locking, Op, Reply};
+use weft_log::{Log, LogRecord, Lsn};
+use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
+use weft_tx::{ParticipationClass, Resource, TxManager, Vote};
+use weft_wire::{Failure, Status, SubPath, Tid, Xid};
+
+use crate::ad::{Ad, AdReply, AdRequest};
+use crate::audit::{audit_store, SiteAudit};
+use crate::cc::Cc;
+use crate::load::{load_store, LoadRequest};
+use crate::rc::Replicas;
+use crate::schema::{balance, tuple, Item, Relation};
+
+/// The site service (RC at this copy): runs operations on the local copy.
+pub const SITE_SERVICE: &str = "raid";
+/// The action driver service: runs a whole transaction for a client.
+pub const AD_SERVICE: &str = "raid-ad";
+/// The audit service: sums of this copy.
+pub const AUDIT_SERVICE: &str = "raid-audit";
+/// The load service: fills this copy with the initial database.
+pub const LOAD_SERVICE: &str = "raid-load";
+
+/// One operation on this site's copy.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SiteOp {
+    /// Shared lock, read the balance.
+    Read(Item),
+    /// Exclusive lock, add to the balance; answers the new balance.
+    Update(Item, i64),
+    /// Exclusive lock, write a history row.
+    Insert(Item, Bytes),
+}
+
+/// Operations to run in order on this site's copy, within the caller's
+/// transaction.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SiteRequest(pub Vec<SiteOp>);
+
+/// One answer per operation: a balance (0 for inserts).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SiteReply(pub Vec<i64>);
+
+/// Settings of a site.
+#[derive(Clone, Debug)]
+pub struct SiteConfig {
+    /// Longest wait for a lock: Raid's timeout per action.
+    pub action_timeout: Duration,
+    /// How long a transaction may run before it aborts.
+    pub tx_timeout: Duration,
+}
+
+impl Default for SiteConfig {
+    fn default() -> Self {
+        SiteConfig {
+            action_timeout: Duration::from_secs(1),
+            tx_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+struct Inner {
+    cfg: SiteConfig,
+    kv: Kv,
+    cc: Cc,
+    participant: OnceLock<Arc<dyn Resource>>,
+    kv_participant: Arc<dyn Resource>,
+    rpc: OnceLock<Rpc>,
+}
+
+/// A Raid site, installed in a weft node as a plugin.
+#[derive(Clone)]
+pub struct RaidSite {
+    inner: Arc<Inner>,
+}
+
+/// The site's participant in commit: the AM's branch (durable) and the CC's
+/// locks, in that order.
+struct SiteParticipant(Arc<Inner>);
+
+impl Resource for SiteParticipant {
+    fn name(&self) -> &str {
+        "raid"
+    }
+
+    fn class(&self) -> ParticipationClass {
+        ParticipationClass::TwoPhase
+    }
+
+    fn prepare<'a>(&'a self, tid: Tid, log: &'a Log) -> BoxFuture<'a, Vote> {
+        Box::pin(async move {
+            let vote = self.0.kv_participant.prepare(tid, log).await;
+            match &vote {
+                Vote::ReadOnly => self.0.cc.release(tid),
+                Vote::Yes { .. } => self.0.cc.release_reads(tid),
+                Vote::No(_) => {}
+            }
+            vote
+        })
+    }
+
+    fn commit(&self, tid: Tid) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            // Apply first, then let waiting transactions in.
+            self.0.kv_participant.commit(tid).await;
+            self.0.cc.release(tid);
+        })
+    }
+
+    fn abort(&self, tid: Tid) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.0.kv_participant.abort(tid).await;
+            self.0.cc.release(tid);
+        })
+    }
+
+    fn sub_ended(&self, tid: Tid, path: &SubPath, committed: bool) {
+        self.0.kv_participant.sub_ended(tid, path, committed);
+        self.0.cc.sub_ended(tid, path, committed);
+    }
+}
+
+fn kv_failure(reply: Option<Reply>) -> Failure {
+    Failure::new(
+        Status::Internal,
+        format!("unexpected store reply {reply:?}"),
+    )
+}
+
+impl RaidSite {
+    /// A site with `cfg`; empty until its node recovers it.
+    pub fn new(cfg: SiteConfig) -> RaidSite {
+        let kv = Kv::new(KvConfig {
+            lock_wait: cfg.action_timeout,
+            locking: Locking::External,
+            ..KvConfig::default()
+        });
+        let kv_participant = kv.resource();
+        RaidSite {
+            inner: Arc::new(Inner {
+                cc: Cc::new(cfg.action_timeout),
+                cfg,
+                kv,
+                participant: OnceLock::new(),
+                kv_participant,
+                rpc: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// The participant that loading transactions enlist.
+    pub fn participant_handle(&self) -> Arc<dyn Resource> {
+        self.participant()
+    }
+
+    fn participant(&self) -> Arc<dyn Resource> {
+        self.inner
+            .participant
+            .get_or_init(|| Arc::new(SiteParticipant(Arc::clone(&self.inner))))
+            .clone()
+    }
+
+    /// The site's store (for audits and tests).
+    pub fn store(&self) -> &Kv {
+        &self.inner.kv
+    }
+
+    /// Lock waits and conflicts seen by the CC.
+    pub fn contention(&self) -> (u64, u64) {
+        self.inner.cc.contention()
+    }
+
+    /// Runs operations on this copy within the (sub-)transaction `xid`: the
+    /// CC locks each item (bounded wait), the AM reads or writes it.
+    ///
+    /// Fails with LockConflict when a lock is not granted in time,
+    /// BadRequest for a malformed tuple or an overflowing balance.
+    pub async fn execute(
+        &self,
+        xid: &Xid,
+        ops: Vec<SiteOp>,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<i64>, Failure> {
+        let inner = &self.inner;
+        let mut out = Vec::with_capacity(ops.len());
+        for op in ops {
+            match op {
+                SiteOp::Read(item) => {
+                    inner.cc.lock(xid, item, LockMode::Shared, deadline).await?;
+                    let v = read_balance(&inner.kv, xid, item, deadline).await?;
+                    out.push(v);
+                }
+                SiteOp::Update(item, delta) => {
+                    inner
+                        .cc
+                        .lock(xid, item, LockMode::Exclusive, deadline)
+                        .await?;
+                    let current = read_balance(&inner.kv, xid, item, deadline).await?;
+                    let new = current.checked_add(delta).ok_or_else(|| {
+                        Failure::new(Status::BadRequest, format!("{current} + {delta} overflows"))
+                    })?;
+                    inner
+                        .kv
+                        .execute(xid, vec![Op::Put(item.kv_key(), tuple(new))], deadline)
+                        .await?;
+                    out.push(new);
+                }
+                SiteOp::Insert(item, row) => {
+                    inner
+                        .cc
+                        .lock(xid, item, LockMode::Exclusive, deadline)
+                        .await?;
+                    inner
+                        .kv
+                        .execute(xid, vec![Op::Put(item.kv_key(), row)], deadline)
+                        .await?;
+                    out.push(0);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// An action driver running transactions from this site.
+    ///
+    /// Fails with Unavailable before the site's node started.
+    pub fn ad(&self, replicas: Replicas) -> Result<Ad, Failure> {
+        let rpc = self
+            .inner
+            .rpc
+            .get()
+            .ok_or_else(|| Failure::new(Status::Unavailable, "the site has not started"))?;
+        Ok(Ad::new(rpc.clone(), replicas, self.inner.cfg.clone()))
+    }
+
+    async fn serve_site(&self, ctx: CallContext, req: SiteRequest) -> Result<SiteReply, Failure> {
+        let tx = ctx.tx().ok_or_else(|| {
+            Failure::new(
+                Status::BadRequest,
+                "site operations run within a transaction",
+            )
+        })?;
+        self.execute(&tx.xid(), req.0, ctx.deadline())
+            .await
+            .map(SiteReply)
+    }
+
+    /// The audit of this copy.
+    pub fn audit(&self) -> SiteAudit {
+        audit_store(&self.inner.kv)
+    }
+}
+
+async fn read_balance(
+    kv: &Kv,
+    xid: &Xid,
+    item: Item,
+    deadline: Option<Instant>,
+) -> Result<i64, Failure> {
+    let mut r = kv
+        .execute(xid, vec![Op::Get(item.kv_key())], deadline)
+        .await?;
+    match r.pop() {
+        Some(Reply::Value(Some(v))) => balance(&v).ok_or_else(|| {
+            Failure::new(
+                Status::BadRequest,
+                format!("{item:?} holds {} bytes, not a tuple", v.len()),
+            )
+        }),
+        Some(Reply::Value(None)) => Err(Failure::new(
+            Status::BadRequest,
+            format!(
+                "no {} {} (is the database loaded?)",
+                item.rel.name(),
+                item.key
+            ),
+        )),
+        other => Err(kv_failure(other)),
+    }
+}
+
+impl Plugin for RaidSite {
+    fn name(&self) -> &str {
+        "raid"
+    }
+
+    fn attach(&self, tm: &TxManager, log: &Log) -> Result<(), Failure> {
+        self.inner.kv.attach(tm, log)?;
+        // In-doubt branches recovered from the log get the outcome through
+        // this participant: apply, then unlock.
+        tm.register_resource(self.participant());
+        Ok(())
+    }
+
+    fn recover(&self, tm: &TxManager, records: &[LogRecord]) -> Result<(), Failure> {
+        self.inner.kv.recover(tm, records)?;
+        // Branches in doubt keep their items locked until the outcome arrives.
+        for (tid, keys) in self.inner.kv.prepared() {
+            for key in keys {
+                if let Some(item) = item_of_key(&key) {
+                    self.inner.cc.relock(tid, item)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn serve(&self, rpc: &Rpc) -> Result<(), Failure> {
+        let _ = self.inner.rpc.set(rpc.clone());
+        let site = self.clone();
+        rpc.register(
+            SITE_SERVICE,
+            ServiceOptions::with_participant(self.participant()),
+            move |ctx, req| {
+                let site = site.clone();
+                async move { site.serve_site(ctx, req).await }
+            },
+        )?;
+        let site = self.clone();
+        rpc.register(
+            AD_SERVICE,
+            ServiceOptions::no_state(),
+            move |_ctx, req: AdRequest| {
+                let site = site.clone();
+                async move {
+                    let replicas =
+                        Replicas::all_alive(site.inner.rpc.get().expect("serving").endpoint());
+                    site.ad(replicas)?.run(req).await.map(AdReply)
+                }
+            },
+        )?;
+        let site = self.clone();
+        rpc.register(
+            AUDIT_SERVICE,
+            ServiceOptions::no_state(),
+            move |_ctx, (): ()| {
+                let site = site.clone();
+                async move { Ok(site.audit()) }
+            },
+        )?;
+        let site = self.clone();
+        rpc.register(
+            LOAD_SERVICE,
+            ServiceOptions::no_state(),
+            move |_ctx, req: LoadRequest| {
+                let site = site.clone();
+                async move {
+                    let rpc = site.inner.rpc.get().expect("serving").clone();
+                    load_store(&rpc, &site.inner.kv, site.participant(), req).await
+                }
+            },
+        )?;
+        Ok(())
+    }
+
+    fn checkpoint(&self, log: &Log) -> Result<Option<Lsn>, Failure> {
+        self.inner.kv.checkpoint(log)
+    }
+}
+
+/// The item a KV key stores.
+fn item_of_key(key: &[u8]) -> Option<Item> {
+    if key.len() != 9 {
+        return None;
+    }
+    let rel = match key[0] {
+        b'a' => Relation::Account,
+        b't' => Relation::Teller,
+        b'b' => Relation::Branch,
+        b'h' => Relation::History,
+        _ => return None,
+    };
+    Some(Item {
+        rel,
+        key: u64::from_be_bytes(key[1..9].try_into().expect("8 bytes")),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_map_back_to_items() {
+        for rel in [
+            Relation::Account,
+            Relation::Teller,
+            Relation::Branch,
+            Relation::History,
+        ] {
+            let item = Item { rel, key: 987_654 };
+            assert_eq!(item_of_key(&item.kv_key()), Some(item));
+        }
+        assert_eq!(item_of_key(b"x"), None);
+    }
+}

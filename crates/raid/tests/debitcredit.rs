@@ -1,0 +1,218 @@
+//! DebitCredit on in-process Raid clusters: the audit invariant after
+//! concurrent runs, under message loss and partitions, with lock conflicts
+//! forcing restarts, and across a site crash.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use weft::{FaultPlan, FaultScope, LinkFaults, NodeId};
+use weft_raid::*;
+
+/// A small tpcb database (the benchmark's shape, fewer accounts) for speed.
+fn small() -> Sizes {
+    Sizes {
+        accounts: 2000,
+        tellers: 10,
+        branches: 1,
+    }
+}
+
+async fn cluster(n: u32, opts: ClusterOptions) -> RaidCluster {
+    RaidCluster::start(n, &std::env::temp_dir(), opts)
+        .await
+        .expect("cluster starts")
+}
+
+async fn run(
+    c: &RaidCluster,
+    mode: Mode,
+    sizes: Sizes,
+    clients: usize,
+    secs: f64,
+    seed: u64,
+) -> RunReport {
+    let ads = c.ads().unwrap();
+    let runners: Vec<_> = ads
+        .into_iter()
+        .map(|ad| {
+            move |req: AdRequest| {
+                let ad = ad.clone();
+                async move { ad.run(req).await }
+            }
+        })
+        .collect();
+    run_closed(
+        runners,
+        Workload { mode, sizes },
+        clients,
+        Duration::from_secs_f64(secs),
+        seed,
+        Arc::new(AtomicU64::new(0)),
+    )
+    .await
+}
+
+fn history_rows(c: &RaidCluster) -> u64 {
+    c.audit().sites[0].1.history_rows
+}
+
+async fn settle_and_audit(c: &RaidCluster, context: &str) -> Audit {
+    assert!(
+        c.quiesce(Duration::from_secs(20)).await,
+        "{context}: transactions still live"
+    );
+    let audit = c.audit();
+    assert!(
+        audit.passed(),
+        "{context}: audit failed: {:?}\n{audit:#?}",
+        audit.problems()
+    );
+    audit
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tpcb_on_one_site_keeps_the_books() {
+    let c = cluster(1, ClusterOptions::default()).await;
+    c.load(small()).await.unwrap();
+    let r = run(&c, Mode::Tpcb, small(), 8, 1.0, 1).await;
+    assert!(r.committed > 50, "{r:?}");
+    let audit = settle_and_audit(&c, "1 site").await;
+    assert_eq!(
+        audit.sites[0].1.history_rows, r.committed,
+        "one history row per commit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tpcb_on_three_sites_keeps_every_copy_identical() {
+    let c = cluster(3, ClusterOptions::default()).await;
+    c.load(small()).await.unwrap();
+    let r = run(&c, Mode::Tpcb, small(), 8, 1.5, 2).await;
+    assert!(r.committed > 20, "{r:?}");
+    let audit = settle_and_audit(&c, "3 sites").await;
+    for (_, a) in &audit.sites {
+        assert_eq!(a.history_rows, r.committed);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raid_mode_with_hot_spot_deadlocks_and_restarts_keeps_the_invariant() {
+    let opts = ClusterOptions {
+        site: SiteConfig {
+            action_timeout: Duration::from_millis(100),
+            ..SiteConfig::default()
+        },
+        ..ClusterOptions::default()
+    };
+    let c = cluster(3, opts).await;
+    c.load(Sizes::raid()).await.unwrap();
+    let r = run(&c, Mode::Raid, Sizes::raid(), 8, 2.0, 3).await;
+    assert!(r.committed > 20, "{r:?}");
+    settle_and_audit(&c, "raid mode").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_timeouts_restart_transactions_without_losing_or_duplicating_history() {
+    // A 2 ms action timeout makes the single branch's lock a source of
+    // constant LockConflicts: every one must abort cleanly and restart.
+    let opts = ClusterOptions {
+        site: SiteConfig {
+            action_timeout: Duration::from_millis(2),
+            ..SiteConfig::default()
+        },
+        ..ClusterOptions::default()
+    };
+    let c = cluster(2, opts).await;
+    c.load(small()).await.unwrap();
+    let r = run(&c, Mode::Tpcb, small(), 8, 1.5, 4).await;
+    assert!(
+        r.aborts.get("LockConflict").copied().unwrap_or(0) > 0,
+        "conflicts happened: {r:?}"
+    );
+    assert!(r.committed > 0, "{r:?}");
+    settle_and_audit(&c, "lock timeouts").await;
+    assert_eq!(
+        history_rows(&c),
+        r.committed,
+        "exactly one history row per committed transaction"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_loss_and_a_partition_do_not_break_the_books() {
+    let seed = 5;
+    let plan = Arc::new(FaultPlan::new(seed));
+    let opts = ClusterOptions {
+        fault: Some(plan.clone()),
+        detector: (Duration::from_millis(50), Duration::from_millis(400)),
+        site: SiteConfig {
+            action_timeout: Duration::from_millis(300),
+            ..SiteConfig::default()
+        },
+    };
+    let c = cluster(3, opts).await;
+    c.load(small()).await.unwrap();
+    plan.set_default(LinkFaults {
+        drop: 0.03,
+        duplicate: 0.03,
+        reorder: 0.05,
+        delay: Some((Duration::ZERO, Duration::from_millis(2))),
+        scope: FaultScope::Messages,
+    });
+    let runner = run(&c, Mode::Tpcb, small(), 6, 2.5, seed);
+    let partition = async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        plan.partition(&[NodeId(3)], &[NodeId(1), NodeId(2)]);
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        plan.heal();
+    };
+    let (r, ()) = tokio::join!(runner, partition);
+    plan.calm();
+    assert!(r.committed > 0, "{r:?}\n{}", plan.report());
+    let audit = c.audit();
+    assert!(
+        c.quiesce(Duration::from_secs(30)).await,
+        "transactions still live\n{}",
+        plan.report()
+    );
+    let audit_after = c.audit();
+    assert!(
+        audit_after.passed(),
+        "audit: {:?}\n{audit:#?}\n{}",
+        audit_after.problems(),
+        plan.report()
+    );
+    assert_eq!(history_rows(&c), r.committed, "{}", plan.report());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_site_crash_and_restart_from_its_log() {
+    let mut c = cluster(
+        3,
+        ClusterOptions {
+            detector: (Duration::from_millis(50), Duration::from_millis(400)),
+            ..ClusterOptions::default()
+        },
+    )
+    .await;
+    c.load(small()).await.unwrap();
+    let before = run(&c, Mode::Tpcb, small(), 4, 0.8, 6).await;
+    c.restart(2).await.unwrap();
+    // The restarted copy recovered everything committed so far.
+    if !c.quiesce(Duration::from_secs(20)).await {
+        let live: Vec<_> = c
+            .nodes
+            .iter()
+            .map(|n| (n.id(), n.tm().list(), n.recovery().clone()))
+            .collect();
+        panic!("transactions still live after the restart: {live:#?}");
+    }
+    let audit = c.audit();
+    assert!(audit.passed(), "{:?}", audit.problems());
+    assert_eq!(history_rows(&c), before.committed);
+    let after = run(&c, Mode::Tpcb, small(), 4, 0.8, 7).await;
+    assert!(after.committed > 0, "{after:?}");
+    settle_and_audit(&c, "after restart").await;
+    assert_eq!(history_rows(&c), before.committed + after.committed);
+}
