@@ -620,6 +620,19 @@ impl TxCore {
 
     /// The outcome is commit here: resources commit, children are told.
     fn commit_here(&mut self, out: &mut Vec<Action>) {
+        // Children hear the decision first, so their phase two overlaps the
+        // local one; then the local resources apply it; only then does the
+        // creator's commit return (a transaction it begins next sees it).
+        self.phase = Phase::Committing;
+        for node in self.children.keys() {
+            out.push(Action::Send(
+                *node,
+                TxMsg::Decision {
+                    tid: self.tid,
+                    commit: true,
+                },
+            ));
+        }
         out.push(Action::CommitLocal);
         if self.coordinator {
             out.push(Action::Finished(Outcome::Committed));
@@ -637,16 +650,6 @@ impl TxCore {
             ));
         } else {
             self.own_record_durable = true;
-        }
-        self.phase = Phase::Committing;
-        for node in self.children.keys() {
-            out.push(Action::Send(
-                *node,
-                TxMsg::Decision {
-                    tid: self.tid,
-                    commit: true,
-                },
-            ));
         }
         self.last_sent = None;
         self.wait = self.cfg.retry;

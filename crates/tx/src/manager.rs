@@ -515,8 +515,13 @@ impl TxManager {
             }
             let (tx, rx) = oneshot::channel();
             st.waiters.push(tx);
-            if !st.core.children().is_empty()
-                || st
+            // A coordinator with no children forces its commit record right
+            // after its own resources prepared: imminent. With children, the
+            // record waits for their votes (their nodes' forces), so an
+            // intent here would hold this node's flusher back for other
+            // transactions' prepares: none is registered.
+            if st.core.children().is_empty()
+                && st
                     .enlisted
                     .iter()
                     .any(|e| e.class == ParticipationClass::TwoPhase)
@@ -730,8 +735,8 @@ fn not_active(tid: Tid, st: &SlotState) -> Failure {
 }
 
 /// Registers a force intent for the transaction, once, when a force is
-/// imminent: the coordinator starts commit (its commit record follows the
-/// votes), a participant is asked to prepare. The log's flusher waits briefly
+/// imminent: a participant is asked to prepare, or a coordinator without
+/// children starts commit. The log's flusher waits briefly
 /// for transactions with intents before syncing, so concurrent committers
 /// share one fdatasync; a transaction alone never waits (its own intent turns
 /// into its force). Not earlier: a transaction still working (or waiting for
@@ -897,36 +902,25 @@ impl TmInner {
             }
             Action::Log(record, durability) => self.log_record(slot, record, durability).await,
             Action::CommitLocal => {
-                let enlisted = resources_of(slot);
-                if !enlisted.is_empty() {
-                    tokio::spawn(async move {
-                        for (r, class) in enlisted {
-                            match class {
-                                ParticipationClass::TwoPhase => r.commit(tid).await,
-                                ParticipationClass::OnePhase => {
-                                    r.ended(tid, Outcome::Committed).await
-                                }
-                                ParticipationClass::NoState => {}
-                            }
-                        }
-                    });
+                // Applied before the next action: the creator's commit
+                // returns (Finished) only once this node's resources hold
+                // the outcome.
+                for (r, class) in resources_of(slot) {
+                    match class {
+                        ParticipationClass::TwoPhase => r.commit(tid).await,
+                        ParticipationClass::OnePhase => r.ended(tid, Outcome::Committed).await,
+                        ParticipationClass::NoState => {}
+                    }
                 }
             }
             Action::AbortLocal => {
-                let enlisted = resources_of(slot);
                 slot.state.lock().outcome = Some(Outcome::Aborted);
-                if !enlisted.is_empty() {
-                    tokio::spawn(async move {
-                        for (r, class) in enlisted {
-                            match class {
-                                ParticipationClass::TwoPhase => r.abort(tid).await,
-                                ParticipationClass::OnePhase => {
-                                    r.ended(tid, Outcome::Aborted).await
-                                }
-                                ParticipationClass::NoState => {}
-                            }
-                        }
-                    });
+                for (r, class) in resources_of(slot) {
+                    match class {
+                        ParticipationClass::TwoPhase => r.abort(tid).await,
+                        ParticipationClass::OnePhase => r.ended(tid, Outcome::Aborted).await,
+                        ParticipationClass::NoState => {}
+                    }
                 }
             }
             Action::Finished(outcome) => {

@@ -408,3 +408,38 @@ async fn committed_writes_survive_a_crash_and_restart_from_the_data_directory() 
     assert_eq!(get(&tx, 2, "after").await.unwrap(), Some(b("checkpoint")));
     tx.commit().await.unwrap();
 }
+
+/// A resource whose commit takes a scheduling round before it applies.
+struct SlowApply(Arc<std::sync::atomic::AtomicBool>);
+
+impl weft::Resource for SlowApply {
+    fn name(&self) -> &str {
+        "slow-apply"
+    }
+    fn class(&self) -> weft::ParticipationClass {
+        weft::ParticipationClass::TwoPhase
+    }
+    fn prepare<'a>(&'a self, _tid: weft::Tid, _log: &'a weft::Log) -> futures::future::BoxFuture<'a, weft::Vote> {
+        Box::pin(async { weft::Vote::Yes { durable: true } })
+    }
+    fn commit(&self, _tid: weft::Tid) -> futures::future::BoxFuture<'_, ()> {
+        Box::pin(async move {
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_returns_only_once_the_coordinators_resources_applied_it() {
+    let c = Cluster::start(2, 209).await;
+    let applied = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let tx = c.node(1).begin();
+    c.node(1).tm().enlist(tx.tid(), Arc::new(SlowApply(applied.clone()))).unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        applied.load(std::sync::atomic::Ordering::SeqCst),
+        "a transaction begun after commit returns must see the commit applied here"
+    );
+}
