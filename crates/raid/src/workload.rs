@@ -148,6 +148,8 @@ pub struct RunReport {
     pub mean_us: f64,
     /// Aborted attempts by the status that ended them.
     pub aborts: BTreeMap<String, u64>,
+    /// The first failure message seen for each status (diagnostics).
+    pub abort_samples: BTreeMap<String, String>,
 }
 
 struct ClientOutcome {
@@ -155,6 +157,7 @@ struct ClientOutcome {
     committed: u64,
     attempts: u64,
     aborts: BTreeMap<String, u64>,
+    samples: BTreeMap<String, String>,
 }
 
 fn histogram() -> Histogram<u64> {
@@ -191,6 +194,7 @@ where
                 committed: 0,
                 attempts: 0,
                 aborts: BTreeMap::new(),
+                samples: BTreeMap::new(),
             };
             let mut recent: VecDeque<Duration> = VecDeque::new();
             while Instant::now() < stop {
@@ -213,6 +217,7 @@ where
                         }
                         Err(f) => {
                             *out.aborts.entry(f.status.to_string()).or_default() += 1;
+                            out.samples.entry(f.status.to_string()).or_insert_with(|| f.detail.clone());
                             if Instant::now() >= stop {
                                 break;
                             }
@@ -234,6 +239,7 @@ where
     let mut hist = histogram();
     let (mut committed, mut attempts) = (0, 0);
     let mut aborts = BTreeMap::new();
+    let mut abort_samples = BTreeMap::new();
     for t in tasks {
         if let Ok(o) = t.await {
             hist.add(&o.hist).expect("same bounds");
@@ -241,6 +247,9 @@ where
             attempts += o.attempts;
             for (k, v) in o.aborts {
                 *aborts.entry(k).or_default() += v;
+            }
+            for (k, v) in o.samples {
+                abort_samples.entry(k).or_insert(v);
             }
         }
     }
@@ -256,6 +265,7 @@ where
         p99_us: hist.value_at_quantile(0.99) as f64,
         mean_us: hist.mean(),
         aborts,
+        abort_samples,
     }
 }
 
