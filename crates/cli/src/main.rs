@@ -4,8 +4,10 @@
 mod bench;
 mod call_cmd;
 mod client;
+mod demo;
 mod kv_cmd;
 mod node_cmd;
+mod raid_cmd;
 mod status_cmd;
 mod tx_cmd;
 
@@ -25,6 +27,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// The main job: Raid on weft, DebitCredit, an audit of every copy.
+    Demo(demo::DemoArgs),
     /// Run a node until SIGINT/SIGTERM.
     Node(node_cmd::NodeArgs),
     /// Show the cluster as one node sees it.
@@ -37,6 +41,9 @@ enum Cmd {
     /// Read and write a node's key-value store.
     #[command(subcommand)]
     Kv(kv_cmd::KvCmd),
+    /// Run Raid sites and drive DebitCredit against them.
+    #[command(subcommand)]
+    Raid(raid_cmd::RaidCmd),
     /// Benchmarks against same-run baselines.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -56,7 +63,9 @@ fn main() {
         .expect("tokio runtime");
     let result = runtime.block_on(async move {
         match cli.cmd {
+            Cmd::Demo(a) => demo::run(a).await,
             Cmd::Node(a) => node_cmd::run(a).await,
+            Cmd::Raid(c) => raid_cmd::run(c).await,
             Cmd::Status(a) => status_cmd::run(a).await,
             Cmd::Call(a) => call_cmd::run(a).await,
             Cmd::Tx(c) => tx_cmd::run(c).await,

@@ -5,7 +5,9 @@
 //! Owns the shared measuring tools (latency histograms, reports, progress).
 
 pub mod commit;
+pub mod debitcredit;
 pub mod log;
+pub mod plot;
 pub mod rpc;
 
 use std::path::Path;
@@ -26,6 +28,8 @@ pub enum BenchCmd {
     Log(log::LogArgs),
     /// Distributed commit throughput against PostgreSQL's two-phase commit.
     Commit(commit::CommitArgs),
+    /// DebitCredit on Raid over weft at several site counts, against pgbench.
+    Debitcredit(debitcredit::DebitCreditArgs),
 }
 
 /// Runs a benchmark.
@@ -34,6 +38,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Rpc(a) => rpc::run(a).await,
         BenchCmd::Log(a) => log::run(a).await,
         BenchCmd::Commit(a) => commit::run(a).await,
+        BenchCmd::Debitcredit(a) => debitcredit::run(a).await,
     }
 }
 

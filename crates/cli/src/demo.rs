@@ -1,0 +1,226 @@
+//! `weft demo`: the main job. Starts a Raid cluster (3 sites, every relation
+//! replicated on every site), loads the DebitCredit database, runs clients
+//! with a live progress bar, prints the results and audits every copy.
+//!
+//! Owns the demo's choreography. Must need nothing set up by hand, and must
+//! exit non-zero when the audit fails.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use weft_raid::{ClusterOptions, Mode, RaidCluster, Workload};
+
+use crate::client::{parse_duration, Client, ClientOpts};
+use crate::raid_cmd::{audit_cluster, cluster_counters, load_cluster, print_audit, print_results, run_remote};
+
+/// Flags of `weft demo`.
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Sites (weft nodes), each holding a copy of every relation.
+    #[arg(long, default_value_t = 3)]
+    pub sites: u32,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 8)]
+    pub clients: usize,
+    /// How long the clients run.
+    #[arg(long, default_value = "20s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Which DebitCredit: tpcb (pgbench's) or raid (the paper's).
+    #[arg(long, default_value = "tpcb")]
+    pub mode: Mode,
+    /// tpcb scale.
+    #[arg(long, default_value_t = 1)]
+    pub scale: u32,
+    /// Run each site as a real child process instead of in this process.
+    #[arg(long)]
+    pub processes: bool,
+    /// Where the sites keep their data (a temporary directory is made under
+    /// it and removed).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Random seed of the clients.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+fn live_bar(duration: Duration) -> ProgressBar {
+    let pb = ProgressBar::new(duration.as_millis() as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} [{bar:30}] {elapsed_precise} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb
+}
+
+/// Updates the bar with the commit rate over the last second until aborted.
+fn spawn_ticker(pb: ProgressBar, progress: Arc<AtomicU64>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let start = Instant::now();
+        let mut window: std::collections::VecDeque<(Instant, u64)> = Default::default();
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let now = Instant::now();
+            let n = progress.load(Ordering::Relaxed);
+            window.push_back((now, n));
+            while window.len() > 6 {
+                window.pop_front();
+            }
+            let (t0, n0) = window.front().copied().unwrap_or((start, 0));
+            let dt = now.duration_since(t0).as_secs_f64();
+            let live = if dt > 0.0 { (n - n0) as f64 / dt } else { 0.0 };
+            pb.set_position(start.elapsed().as_millis() as u64);
+            pb.set_message(format!("{n} committed, {live:.0} tps now"));
+        }
+    })
+}
+
+/// Runs `weft demo`.
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.sites >= 1, "--sites must be at least 1");
+    println!(
+        "weft demo: Raid on weft, {} site(s) {}, every relation replicated on every site",
+        args.sites,
+        if args.processes { "as child processes" } else { "in this process" }
+    );
+    println!(
+        "DebitCredit {} (scale {}), {} clients for {:?}; data on disk, fsync on",
+        args.mode, args.scale, args.clients, args.duration
+    );
+    let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    if args.processes {
+        run_processes(&args, &base).await
+    } else {
+        run_in_process(&args, &base).await
+    }
+}
+
+async fn run_in_process(args: &DemoArgs, base: &std::path::Path) -> anyhow::Result<()> {
+    let spinner = crate::bench::progress("starting sites");
+    let cluster = RaidCluster::start(args.sites, base, ClusterOptions::default()).await?;
+    spinner.set_message("loading the database on every site");
+    let sizes = Workload::sizes(args.mode, args.scale);
+    cluster.load(sizes).await?;
+    spinner.finish_and_clear();
+    let ads = cluster.ads()?;
+    let runners: Vec<_> = ads
+        .into_iter()
+        .map(|ad| move |req| {
+            let ad = ad.clone();
+            async move { ad.run(req).await }
+        })
+        .collect();
+    let before = cluster.counters();
+    let progress = Arc::new(AtomicU64::new(0));
+    let pb = live_bar(args.duration);
+    let ticker = spawn_ticker(pb.clone(), progress.clone());
+    let report = weft_raid::run_closed(
+        runners,
+        Workload { mode: args.mode, sizes },
+        args.clients,
+        args.duration,
+        args.seed,
+        progress,
+    )
+    .await;
+    ticker.abort();
+    pb.finish_and_clear();
+    let settled = cluster.quiesce(Duration::from_secs(30)).await;
+    let after = cluster.counters();
+    let per = |x: u64| if report.committed == 0 { 0.0 } else { x as f64 / report.committed as f64 };
+    print_results(&report, args.sites as usize, Some(per(after.messages - before.messages)), Some(per(after.forces - before.forces)));
+    let audit = cluster.audit();
+    let ok = print_audit(&audit) && settled;
+    if !settled {
+        println!("some transactions were still unfinished after 30 s");
+    }
+    cluster.shutdown().await;
+    anyhow::ensure!(ok, "the audit failed");
+    Ok(())
+}
+
+/// A `weft raid site` child process, killed when dropped.
+struct SiteProc {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for SiteProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_site(id: u32, dir: &std::path::Path, join: Option<&str>) -> anyhow::Result<SiteProc> {
+    let exe = std::env::current_exe().context("locating the weft binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["raid", "site", "--id", &id.to_string(), "--listen", "127.0.0.1:0"]);
+    cmd.arg("--data-dir").arg(dir.join(format!("site{id}")));
+    if let Some(j) = join {
+        cmd.args(["--join", j]);
+    }
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().context("starting a site")?;
+    let stdout = child.stdout.take().expect("piped");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).context("reading the site's ready line")?;
+    let addr = line
+        .split(" listening on ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .with_context(|| format!("site {id} did not start: {line:?}"))?
+        .to_string();
+    Ok(SiteProc { child, addr })
+}
+
+async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Result<()> {
+    let dir = tempfile::Builder::new().prefix(".weft-demo-").tempdir_in(base)?;
+    let spinner = crate::bench::progress("starting site processes");
+    let mut procs = vec![spawn_site(1, dir.path(), None)?];
+    let first = procs[0].addr.clone();
+    for id in 2..=args.sites {
+        procs.push(spawn_site(id, dir.path(), Some(&first))?);
+    }
+    let opts = ClientOpts { node: first, secret: String::new(), timeout: Duration::from_secs(60) };
+    // Wait until the directory sees every site.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let c = Client::connect(&opts).await?;
+        let n = audit_cluster(&c).await.map(|a| a.sites.len()).unwrap_or(0);
+        c.close().await;
+        if n == args.sites as usize {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the sites did not all join");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    spinner.set_message("loading the database on every site");
+    let c = Client::connect(&opts).await?;
+    load_cluster(&c, args.mode, args.scale).await?;
+    c.close().await;
+    spinner.finish_and_clear();
+    let (m0, f0) = cluster_counters(&opts).await?;
+    let progress = Arc::new(AtomicU64::new(0));
+    let pb = live_bar(args.duration);
+    let ticker = spawn_ticker(pb.clone(), progress.clone());
+    let report = run_remote(&opts, args.mode, args.scale, args.clients, args.duration, args.seed, progress).await?;
+    ticker.abort();
+    pb.finish_and_clear();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (m1, f1) = cluster_counters(&opts).await?;
+    let per = |x: u64| if report.committed == 0 { 0.0 } else { x as f64 / report.committed as f64 };
+    print_results(&report, args.sites as usize, Some(per(m1 - m0)), Some(per(f1 - f0)));
+    let c = Client::connect(&opts).await?;
+    let audit = audit_cluster(&c).await?;
+    c.close().await;
+    let ok = print_audit(&audit);
+    drop(procs);
+    anyhow::ensure!(ok, "the audit failed");
+    Ok(())
+}

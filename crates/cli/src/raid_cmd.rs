@@ -1,0 +1,288 @@
+//! `weft raid`: run Raid sites as processes and drive them from the shell:
+//! `site` runs one, `load` fills every copy, `run` drives DebitCredit clients
+//! against them, `audit` checks the books on every copy.
+//!
+//! Owns the multi-process forms of the demo's steps and the shared printing
+//! of DebitCredit results. Must exit non-zero when the audit fails.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use weft::admin::{StatusReport, STATUS_SERVICE};
+use weft_raid::{
+    run_closed, AdRequest, Audit, LoadReply, LoadRequest, Mode, RaidSite, RunReport, SiteAudit, SiteConfig,
+    Workload, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE,
+};
+use weft_wire::{Address, Failure, NodeId, ServiceName};
+
+use crate::client::{parse_duration, Client, ClientOpts};
+use crate::node_cmd::{announce, wait_for_signal, NodeArgs};
+
+/// `weft raid` subcommands.
+#[derive(clap::Subcommand, Debug)]
+pub enum RaidCmd {
+    /// Run a Raid site (a weft node with the Raid servers) until SIGINT/SIGTERM.
+    Site {
+        #[command(flatten)]
+        node: NodeArgs,
+        /// Raid's timeout per action (longest lock wait).
+        #[arg(long, default_value = "1s", value_parser = parse_duration)]
+        action_timeout: Duration,
+    },
+    /// Load the initial database on every site of the cluster.
+    Load {
+        #[command(flatten)]
+        client: ClientOpts,
+        /// Which DebitCredit.
+        #[arg(long, default_value = "tpcb")]
+        mode: Mode,
+        /// tpcb scale (1 branch, 10 tellers, 100 000 accounts per unit).
+        #[arg(long, default_value_t = 1)]
+        scale: u32,
+    },
+    /// Run closed-loop DebitCredit clients against every site.
+    Run {
+        #[command(flatten)]
+        client: ClientOpts,
+        /// Which DebitCredit.
+        #[arg(long, default_value = "tpcb")]
+        mode: Mode,
+        /// tpcb scale the database was loaded with.
+        #[arg(long, default_value_t = 1)]
+        scale: u32,
+        /// Concurrent clients.
+        #[arg(long, default_value_t = 8)]
+        clients: usize,
+        /// How long to run.
+        #[arg(long, default_value = "10s", value_parser = parse_duration)]
+        duration: Duration,
+        /// Random seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Audit every copy: sum of accounts = tellers = branches = history.
+    Audit {
+        #[command(flatten)]
+        client: ClientOpts,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn service(name: &str, node: NodeId) -> Address {
+    Address { service: ServiceName::new(name).expect("valid service name"), instance: 0, node }
+}
+
+/// The Raid sites a node knows (id and address), from its status.
+async fn sites(client: &Client) -> anyhow::Result<Vec<(NodeId, String)>> {
+    let report: StatusReport = client.call_here(STATUS_SERVICE, ()).await?;
+    let mut v: Vec<(NodeId, String)> = report
+        .view
+        .nodes
+        .iter()
+        .filter(|n| n.info.services.iter().any(|s| s == weft_raid::SITE_SERVICE))
+        .map(|n| (n.info.id, n.info.addr.clone().unwrap_or_default()))
+        .collect();
+    v.sort();
+    anyhow::ensure!(!v.is_empty(), "no Raid site in the cluster (start them with `weft raid site`)");
+    Ok(v)
+}
+
+/// Audits every site through `client`.
+pub async fn audit_cluster(client: &Client) -> anyhow::Result<Audit> {
+    let mut audit = Audit::default();
+    for (id, _) in sites(client).await? {
+        let a: SiteAudit = client.call(&service(AUDIT_SERVICE, id), (), None).await?;
+        audit.sites.push((id, a));
+    }
+    Ok(audit)
+}
+
+/// Loads every site through `client`.
+pub async fn load_cluster(client: &Client, mode: Mode, scale: u32) -> anyhow::Result<u64> {
+    let req = LoadRequest { sizes: Workload::sizes(mode, scale) };
+    let mut tuples = 0;
+    for (id, _) in sites(client).await? {
+        let r: LoadReply = client.call(&service(LOAD_SERVICE, id), req, None).await?;
+        tuples += r.tuples;
+    }
+    Ok(tuples)
+}
+
+/// Messages and forces of every site, from their status reports.
+pub async fn cluster_counters(opts: &ClientOpts) -> anyhow::Result<(u64, u64)> {
+    let gateway = Client::connect(opts).await?;
+    let mut msgs = 0;
+    let mut forces = 0;
+    for (_, addr) in sites(&gateway).await? {
+        let c = Client::connect(&ClientOpts { node: addr, ..opts.clone() }).await?;
+        let r: StatusReport = c.call_here(STATUS_SERVICE, ()).await?;
+        msgs += r.transport.work_messages();
+        forces += r.log.syncs;
+        c.close().await;
+    }
+    gateway.close().await;
+    Ok((msgs, forces))
+}
+
+/// Runs DebitCredit clients against a multi-process cluster: each client
+/// talks to one site's action driver over its own connection.
+pub async fn run_remote(
+    opts: &ClientOpts,
+    mode: Mode,
+    scale: u32,
+    clients: usize,
+    duration: Duration,
+    seed: u64,
+    progress: Arc<AtomicU64>,
+) -> anyhow::Result<RunReport> {
+    let gateway = Client::connect(opts).await?;
+    let list = sites(&gateway).await?;
+    gateway.close().await;
+    let mut runners = Vec::new();
+    for (id, addr) in list {
+        let c = Arc::new(
+            Client::connect(&ClientOpts { node: addr.clone(), ..opts.clone() })
+                .await
+                .with_context(|| format!("connecting to site {id} at {addr}"))?,
+        );
+        let ad = service(AD_SERVICE, id);
+        runners.push(move |req: AdRequest| {
+            let c = c.clone();
+            let ad = ad.clone();
+            async move {
+                let r: Result<weft_raid::AdReply, Failure> = c.call(&ad, req, None).await;
+                r.map(|r| r.0)
+            }
+        });
+    }
+    let workload = Workload { mode, sizes: Workload::sizes(mode, scale) };
+    Ok(run_closed(runners, workload, clients, duration, seed, progress).await)
+}
+
+/// Prints a run's results.
+pub fn print_results(r: &RunReport, sites: usize, messages: Option<f64>, forces: Option<f64>) {
+    println!();
+    println!("{:<28} {}", "sites", sites);
+    println!("{:<28} {} clients, {} mode, {:.1} s", "run", r.clients, r.mode, r.duration_s);
+    println!("{:<28} {} committed of {} attempts", "transactions", r.committed, r.attempts);
+    println!("{:<28} {:.0}", "throughput (tps)", r.tps);
+    println!("{:<28} p50 {:.2} ms, p99 {:.2} ms", "latency", r.p50_us / 1000.0, r.p99_us / 1000.0);
+    let aborts: Vec<String> = r.aborts.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    println!("{:<28} {}", "aborts by cause", if aborts.is_empty() { "none".into() } else { aborts.join(", ") });
+    for (status, detail) in &r.abort_samples {
+        println!("{:<28}   e.g. {status}: {detail}", "");
+    }
+    if let Some(m) = messages {
+        println!("{:<28} {:.1} (Raid V1: 168 for a single-site transaction)", "messages per transaction", m);
+    }
+    if let Some(f) = forces {
+        println!("{:<28} {:.3}", "log forces per transaction", f);
+    }
+}
+
+/// Prints an audit; returns whether it passed.
+pub fn print_audit(audit: &Audit) -> bool {
+    println!();
+    println!("audit (sum of balances per relation = sum of history deltas, on every copy):");
+    for (node, a) in &audit.sites {
+        let sum = |name: &str| a.balances.get(name).map(|(_, s)| *s).unwrap_or_default();
+        println!(
+            "  site {node}: accounts {} = tellers {} = branches {} = history {} ({} rows) {}",
+            sum("account"),
+            sum("teller"),
+            sum("branch"),
+            a.history_sums.get("account").copied().unwrap_or_default(),
+            a.history_rows,
+            if a.problems().is_empty() { "ok" } else { "FAILED" }
+        );
+    }
+    let problems = audit.problems();
+    for p in &problems {
+        println!("  problem: {p}");
+    }
+    let ok = audit.passed();
+    println!("audit {}", if ok { "PASSED" } else { "FAILED" });
+    ok
+}
+
+/// Runs `weft raid ...`.
+pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
+    match cmd {
+        RaidCmd::Site { node, action_timeout } => {
+            let site = RaidSite::new(SiteConfig { action_timeout, ..SiteConfig::default() });
+            let n = node.builder()?.plugin(Arc::new(site)).start().await.context("the site did not start")?;
+            announce(&n);
+            wait_for_signal().await;
+            n.shutdown().await;
+            Ok(())
+        }
+        RaidCmd::Load { client, mode, scale } => {
+            let c = Client::connect(&client).await?;
+            let started = Instant::now();
+            let tuples = load_cluster(&c, mode, scale).await?;
+            c.close().await;
+            println!("loaded {tuples} tuples in {:.1} s", started.elapsed().as_secs_f64());
+            Ok(())
+        }
+        RaidCmd::Run { client, mode, scale, clients, duration, seed, json } => {
+            let (m0, f0) = cluster_counters(&client).await?;
+            let progress = Arc::new(AtomicU64::new(0));
+            let bar = crate::bench::progress("running");
+            let p2 = progress.clone();
+            let ticker = tokio::spawn(async move {
+                let start = Instant::now();
+                loop {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    let n = p2.load(Ordering::Relaxed);
+                    bar.set_message(format!("{n} committed, {:.0} tps", n as f64 / start.elapsed().as_secs_f64()));
+                }
+            });
+            let r = run_remote(&client, mode, scale, clients, duration, seed, progress).await?;
+            ticker.abort();
+            let (m1, f1) = cluster_counters(&client).await?;
+            let per = |x: u64| if r.committed == 0 { 0.0 } else { x as f64 / r.committed as f64 };
+            if json {
+                let mut v = serde_json::to_value(&r)?;
+                v["messages_per_txn"] = serde_json::json!(per(m1 - m0));
+                v["forces_per_txn"] = serde_json::json!(per(f1 - f0));
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                let c = Client::connect(&client).await?;
+                let n = sites(&c).await?.len();
+                c.close().await;
+                print_results(&r, n, Some(per(m1 - m0)), Some(per(f1 - f0)));
+            }
+            Ok(())
+        }
+        RaidCmd::Audit { client, json } => {
+            let c = Client::connect(&client).await?;
+            let audit = audit_cluster(&c).await?;
+            c.close().await;
+            let ok = if json {
+                let by_site: BTreeMap<String, &SiteAudit> =
+                    audit.sites.iter().map(|(n, a)| (n.to_string(), a)).collect();
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "passed": audit.passed(),
+                        "problems": audit.problems(),
+                        "sites": by_site,
+                    }))?
+                );
+                audit.passed()
+            } else {
+                print_audit(&audit)
+            };
+            anyhow::ensure!(ok, "the audit failed");
+            Ok(())
+        }
+    }
+}
