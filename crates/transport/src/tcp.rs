@@ -245,6 +245,16 @@ impl LinkIo for TcpIo {
 
     fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
+            // Best effort: frames queued behind a write in progress (such as
+            // the Refused frame that says why) go out if the kernel takes
+            // them now; closing never waits for a slow peer.
+            {
+                let mut st = self.write.lock();
+                if !st.busy && !st.buf.is_empty() {
+                    let mut rest = st.buf.split();
+                    let _ = self.write_now(&mut rest);
+                }
+            }
             let _ = self.stream.get_ref().shutdown(std::net::Shutdown::Both);
             self.flush.notify_one();
         }

@@ -85,25 +85,32 @@ pub enum TxReply {
 
 /// Registers `_status` and `_tx` on `node`.
 pub(crate) fn install(node: &Node) -> Result<(), Failure> {
-    let n = node.clone();
+    // The services hold weak handles: the node owns its Rpc, which owns
+    // these closures, so strong ones would keep the node alive forever.
+    let weak = node.downgrade();
     node.rpc().register(
         STATUS_SERVICE,
         ServiceOptions::no_state(),
         move |_ctx, (): ()| {
-            let n = n.clone();
-            async move { Ok(status(&n)) }
+            let n = Node::upgrade(&weak);
+            async move { Ok(status(&alive(n)?)) }
         },
     )?;
-    let n = node.clone();
+    let weak = node.downgrade();
     node.rpc().register(
         TX_SERVICE,
         ServiceOptions::no_state(),
         move |_ctx, req: TxRequest| {
-            let n = n.clone();
-            async move { tx_admin(&n, req).await }
+            let n = Node::upgrade(&weak);
+            async move { tx_admin(&alive(n)?, req).await }
         },
     )?;
     Ok(())
+}
+
+/// The node, or ShuttingDown when it has been dropped.
+fn alive(node: Option<Node>) -> Result<Node, Failure> {
+    node.ok_or_else(|| Failure::new(Status::ShuttingDown, "the node is shutting down"))
 }
 
 fn status(node: &Node) -> StatusReport {

@@ -329,7 +329,7 @@ fn next_incarnation(dir: &Path) -> Result<Incarnation, NodeError> {
     Ok(Incarnation(next))
 }
 
-struct NodeInner {
+pub(crate) struct NodeInner {
     endpoint: Endpoint,
     log: Log,
     tm: TxManager,
@@ -350,6 +350,18 @@ pub struct Node {
 }
 
 impl Node {
+    /// A handle that does not keep the node alive: services the node itself
+    /// registers hold this, or the node (and its temporary directory) would
+    /// never be dropped.
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<NodeInner> {
+        Arc::downgrade(&self.inner)
+    }
+
+    /// The node behind a handle from [`Node::downgrade`], if it still lives.
+    pub(crate) fn upgrade(weak: &std::sync::Weak<NodeInner>) -> Option<Node> {
+        weak.upgrade().map(|inner| Node { inner })
+    }
+
     /// Starts configuring node `id`.
     pub fn builder(id: u32) -> NodeBuilder {
         NodeBuilder::new(id)

@@ -251,3 +251,33 @@ async fn transactional_calls_over_tcp() {
     );
     tx.commit().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_node_removes_its_temporary_directory() {
+    let node = weft::Node::builder(1).start().await.unwrap();
+    let dir = node.data_dir().to_path_buf();
+    assert!(!node.is_persistent());
+    assert!(dir.exists());
+    // Its own admin services answer, then the node goes away entirely.
+    let status = node
+        .rpc()
+        .call_payload(
+            None,
+            &"_status@1".parse().unwrap(),
+            Payload::local(()),
+            None,
+        )
+        .await;
+    assert!(status.is_ok(), "{status:?}");
+    node.shutdown().await;
+    drop(node);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while dir.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} outlived its node: something still holds the node",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
