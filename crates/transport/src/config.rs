@@ -71,6 +71,9 @@ pub struct TransportConfig {
     pub max_queued_frames: usize,
     /// Identity of this host, used to find same-host peers.
     pub host_id: String,
+    /// Shared-memory channel settings (ring size, waiting policy, where the
+    /// rendezvous live).
+    pub shm: crate::shm::ShmConfig,
 }
 
 impl TransportConfig {
@@ -92,6 +95,7 @@ impl TransportConfig {
             reconnect_backoff: (Duration::from_millis(20), Duration::from_millis(1000)),
             max_queued_frames: 4096,
             host_id: crate::host::host_id(),
+            shm: crate::shm::ShmConfig::default(),
         }
     }
 
@@ -129,6 +133,9 @@ impl TransportConfig {
         }
         if !(self.channels.inproc || self.channels.tcp || self.channels.shm) {
             return Err("at least one channel must be enabled".into());
+        }
+        if self.channels.shm {
+            self.shm.validate(&self.limits)?;
         }
         Ok(())
     }

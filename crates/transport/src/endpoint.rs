@@ -337,6 +337,13 @@ impl Endpoint {
                 .map_err(|source| StartError::Listen { addr, source })?;
             inner.me.write().addr = Some(bound.to_string());
         }
+        // shm (issue 6): same-host peers reach this node through shared memory.
+        if inner.cfg.channels.shm && inner.cfg.role == PeerRole::Node {
+            match crate::shm::listen(&inner).await {
+                Ok(rendezvous) => inner.me.write().shm = Some(rendezvous),
+                Err(e) => tracing::warn!(node = %inner.cfg.node, "no shared-memory channel: {e}"),
+            }
+        }
         if inner.cfg.role == PeerRole::Node {
             if let Some(hub) = &inner.hub {
                 hub.register(inner.cfg.node, &inner);
@@ -843,6 +850,10 @@ impl Inner {
                 }
             }
         }
+        // shm (issue 6): a same-host peer in another process.
+        if let Some(result) = crate::shm::resolve(self, to, &info).await {
+            return result;
+        }
         if self.cfg.channels.tcp {
             if let Some(addr) = info
                 .addr
@@ -919,7 +930,9 @@ impl Inner {
             }
             entry.backoff = None;
             entry.next_backoff = Duration::ZERO;
-            entry.links.push(Arc::clone(link));
+            // Cheapest channel first: sends use the first live link.
+            let at = entry.links.partition_point(|l| l.kind() <= link.kind());
+            entry.links.insert(at, Arc::clone(link));
             let queued = if link.side == Side::Initiator || entry.links.len() == 1 {
                 entry.connecting.take().unwrap_or_default()
             } else {
@@ -1005,7 +1018,7 @@ impl Inner {
                     entry.links.retain(|l| l.id != link.id && !l.is_closed());
                     entry.links.is_empty()
                         && entry.dead.is_none()
-                        && link.kind() == ChannelKind::Tcp
+                        && matches!(link.kind(), ChannelKind::Tcp | ChannelKind::Shm)
                         && !self.is_closing()
                 }
                 None => false,
@@ -1386,6 +1399,15 @@ impl Inner {
                 reason: "restarted with a new incarnation".into(),
             });
         }
+        // shm (issue 6): a same-host member reached over TCP gets an shm link.
+        let best = self.peers.lock().get(&id).and_then(|e| {
+            e.links
+                .iter()
+                .filter(|l| !l.is_closed())
+                .map(|l| l.kind())
+                .min()
+        });
+        crate::shm::consider_upgrade(self, &info, best);
         if event_joined {
             self.emit(MembershipEvent::Joined(info));
         }

@@ -9,6 +9,7 @@ pub mod config;
 pub mod fault;
 pub mod host;
 pub mod naming;
+pub mod shm;
 
 mod calls;
 mod detector;
@@ -28,3 +29,4 @@ pub use fault::{FaultPlan, FaultScope, LinkFaults, Verdict};
 pub use inproc::InprocHub;
 pub use link::PeerRef;
 pub use naming::{NamingMsg, NodeInfo};
+pub use shm::{BusyPoll, ShmConfig, SpinPolicy};

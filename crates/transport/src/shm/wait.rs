@@ -1,0 +1,150 @@
+//! How a thread waits for shared-memory traffic: spin briefly, then yield,
+//! then park (on a futex, done by the caller), with a spin budget that adapts
+//! to what waiting has been paying off.
+//!
+//! Owns the adaptation rule. Must never sleep itself: parking is the
+//! caller's, because only the caller knows what to park on.
+
+use std::time::{Duration, Instant};
+
+use super::SpinPolicy;
+
+/// An adaptive spinner. Traffic that comes soon after a sleep began (within
+/// the largest budget) proves sleeping wrong: the budget jumps back to the
+/// largest. A sleep that lasted longer than that means the pair went quiet:
+/// the budget shrinks by a quarter, so a few stalls of a busy peer barely
+/// matter while an idle pair soon spins only the smallest budget.
+///
+/// While spinning it also yields the CPU now and then: on a machine with few
+/// CPUs, a thread this one just woke (a caller whose response it delivered)
+/// may be waiting for exactly this CPU.
+#[derive(Debug)]
+pub(crate) struct AdaptiveSpin {
+    policy: SpinPolicy,
+    budget: Duration,
+}
+
+/// Spin this long between two yields of the CPU.
+const YIELD_EVERY: Duration = Duration::from_micros(5);
+
+impl AdaptiveSpin {
+    /// A spinner starting at the policy's largest budget.
+    pub(crate) fn new(policy: SpinPolicy) -> Self {
+        AdaptiveSpin {
+            budget: policy.max_spin,
+            policy,
+        }
+    }
+
+    /// The current spin budget.
+    #[cfg(test)]
+    pub(crate) fn budget(&self) -> Duration {
+        self.budget
+    }
+
+    /// Spins up to the budget (yielding every few microseconds, and at once
+    /// whenever `colocated()` says the peer runs on this very CPU), then
+    /// yields the CPU `policy.yields` times, until `ready()` holds. Returns
+    /// true when it did (the caller goes on), false when the caller should
+    /// park.
+    pub(crate) fn wait(
+        &mut self,
+        mut ready: impl FnMut() -> bool,
+        mut colocated: impl FnMut() -> bool,
+    ) -> bool {
+        let start = Instant::now();
+        let mut next_yield = YIELD_EVERY;
+        let mut i: u32 = 0;
+        loop {
+            if ready() {
+                return true;
+            }
+            std::hint::spin_loop();
+            i = i.wrapping_add(1);
+            if i.is_multiple_of(16) {
+                let spun = start.elapsed();
+                if spun >= self.budget {
+                    break;
+                }
+                if spun >= next_yield || colocated() {
+                    std::thread::yield_now();
+                    next_yield = spun + YIELD_EVERY;
+                }
+            }
+        }
+        for _ in 0..self.policy.yields {
+            std::thread::yield_now();
+            if ready() {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The caller parked for `slept` and was woken, with work waiting or not.
+    pub(crate) fn parked(&mut self, slept: Duration, for_work: bool) {
+        self.budget = if for_work && slept < self.policy.max_spin {
+            self.policy.max_spin
+        } else {
+            (self.budget * 3 / 4).clamp(self.policy.min_spin, self.policy.max_spin)
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> SpinPolicy {
+        SpinPolicy {
+            min_spin: Duration::from_micros(2),
+            max_spin: Duration::from_micros(64),
+            yields: 1,
+            park_timeout: Duration::from_millis(100),
+        }
+    }
+
+    #[test]
+    fn idle_shrinks_the_budget_and_quick_wakeups_restore_it() {
+        let mut s = AdaptiveSpin::new(policy());
+        assert_eq!(s.budget(), Duration::from_micros(64));
+        s.parked(Duration::from_millis(5), true);
+        assert_eq!(
+            s.budget(),
+            Duration::from_micros(48),
+            "one stall: a quarter off"
+        );
+        for _ in 0..20 {
+            s.parked(Duration::from_millis(200), false);
+        }
+        assert_eq!(
+            s.budget(),
+            Duration::from_micros(2),
+            "idle: down to the floor"
+        );
+        s.parked(Duration::from_micros(10), true);
+        assert_eq!(
+            s.budget(),
+            Duration::from_micros(64),
+            "woken soon: spin fully again"
+        );
+        s.parked(Duration::from_micros(10), false);
+        assert_eq!(s.budget(), Duration::from_micros(48), "woken for nothing");
+    }
+
+    #[test]
+    fn wait_returns_true_when_ready_and_false_after_the_budget() {
+        let mut s = AdaptiveSpin::new(policy());
+        let mut n = 0;
+        assert!(s.wait(
+            || {
+                n += 1;
+                n > 100
+            },
+            || false
+        ));
+        let t = Instant::now();
+        assert!(!s.wait(|| false, || true));
+        assert!(t.elapsed() >= s.budget().min(Duration::from_micros(2)));
+    }
+}
