@@ -21,6 +21,7 @@ pub mod admin;
 mod node;
 
 pub use node::{Node, NodeBuilder, NodeError};
+pub use weft_group as group;
 pub use weft_kv as kv;
 pub use weft_log::{Log, LogConfig, Lsn};
 pub use weft_rpc::{

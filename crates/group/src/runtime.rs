@@ -1,0 +1,1248 @@
+//! The thin async shell around the core: one [`Groups`] runtime per node,
+//! and the handles programs use — [`Member`] (a receiving process),
+//! [`GroupSender`] (a sending process), [`Incoming`] (a message a member
+//! took, which it may reply to) and [`TxInbox`] (the node's messages to
+//! its transactions' groups).
+//!
+//! Owns the glue: group messages in and out through the endpoint's
+//! [`Port::GROUP`], membership events from the failure detector, a timer for
+//! the core's retransmissions and probes, and waking the handles. Must never
+//! hold the core's lock while sending or waking (the in-process channel may
+//! run the receiving side synchronously), and never decide anything the core
+//! decides.
+
+use std::collections::HashMap;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot, Notify};
+use tracing::Instrument;
+use weft_transport::{Endpoint, MembershipEvent, PeerRef, PortHandler};
+use weft_tx::TxManager;
+use weft_wire::{Failure, GroupId, Incarnation, NodeId, Payload, PeerRole, Port, Status, Tid};
+
+use crate::config::GroupConfig;
+use crate::core::fanout::Tree;
+use crate::core::host::NODE_MEMBER;
+use crate::core::origin::{Delivery, Progress, ReplyItem, Take};
+use crate::core::retry::RetryKey;
+use crate::core::{Action, Core, Env};
+use crate::ids::{CommId, MemberId, SenderId, Tag};
+use crate::msg::{DirAnswer, DirOp, GroupMsg, GroupRecord};
+use crate::secret::{GroupKey, Verifier};
+
+/// A group as `weft group ls` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupInfo {
+    /// The group.
+    pub gid: GroupId,
+    /// Nodes hosting members.
+    pub hosts: Vec<NodeId>,
+    /// Members at the node that answered.
+    pub local_members: usize,
+}
+
+/// A member's reply, as the sender takes it.
+#[derive(Debug)]
+pub struct Reply {
+    /// The member that replied.
+    pub from: MemberId,
+    /// The reply.
+    pub payload: Payload,
+}
+
+impl Reply {
+    /// The reply as a `T`.
+    ///
+    /// Fails with Mismatch when it is not a `T`.
+    pub fn decode<T: DeserializeOwned + Send + 'static>(self) -> Result<T, Failure> {
+        self.payload
+            .decode()
+            .map_err(|e| Failure::new(Status::Mismatch, format!("reply from {}: {e}", self.from)))
+    }
+}
+
+/// Proof of a group's secret: the secret itself (checked at this node, never
+/// sent), or the key derived from it (what a remote client sends instead).
+#[derive(Clone)]
+pub(crate) enum Credential {
+    Secret(Vec<u8>),
+    Key(GroupKey),
+}
+
+impl Credential {
+    fn key(&self, v: &Verifier) -> GroupKey {
+        match self {
+            Credential::Secret(s) => v.key_for(s),
+            Credential::Key(k) => *k,
+        }
+    }
+}
+
+/// Shared state of a node's group runtime.
+pub(crate) struct Shared {
+    endpoint: Endpoint,
+    tm: Option<TxManager>,
+    cfg: GroupConfig,
+    core: Mutex<Core>,
+    ops: Mutex<HashMap<u64, oneshot::Sender<Result<DirAnswer, Failure>>>>,
+    next_op: AtomicU64,
+    next_sender: AtomicU64,
+    senders: Mutex<HashMap<u64, Arc<Notify>>>,
+    members: Mutex<HashMap<u64, Arc<Notify>>>,
+    synced: Mutex<Option<(Option<NodeId>, Option<Incarnation>)>>,
+    /// Deferrable messages waiting to be sent together, by destination.
+    deferred: Mutex<HashMap<NodeId, Vec<Deferred>>>,
+}
+
+/// A message waiting to travel with others, and what it waits for.
+type Deferred = (GroupMsg, Option<RetryKey>);
+
+type Step<'a, R> = Box<dyn FnOnce(&mut Core, &Env, Instant, &mut Vec<Action>) -> R + 'a>;
+
+impl Shared {
+    fn env(&self, full: bool) -> Env {
+        if !full {
+            return Env {
+                directory: self.endpoint.directory(),
+                peers: Vec::new(),
+            };
+        }
+        let view = self.endpoint.view();
+        let me = self.endpoint.node_id();
+        Env {
+            directory: view.directory,
+            peers: view
+                .nodes
+                .iter()
+                .filter(|n| n.alive && n.info.id != me)
+                .map(|n| n.info.id)
+                .collect(),
+        }
+    }
+
+    /// Runs one core step, then carries out its actions without the lock.
+    fn step<R>(self: &Arc<Self>, full_env: bool, f: Step<'_, R>) -> R {
+        let env = self.env(full_env);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let r = {
+            let mut core = self.core.lock();
+            f(&mut core, &env, now, &mut out)
+        };
+        self.act(out);
+        r
+    }
+
+    fn act(self: &Arc<Self>, out: Vec<Action>) {
+        for a in out {
+            match a {
+                Action::Send { to, msg, key } if msg.deferrable() => {
+                    self.defer(to, msg, key);
+                }
+                Action::Send { to, msg, key } => {
+                    tracing::trace!(to = %to, kind = msg.kind(), "group message out");
+                    if let Err(f) = self.endpoint.send(to, Port::GROUP, Payload::local(msg)) {
+                        tracing::debug!(to = %to, %f, "group message not sent");
+                        if let Some(key) = key {
+                            self.step(
+                                false,
+                                Box::new(move |core, env, now, out| {
+                                    core.on_send_failed(key, to, f.status, env, now, out)
+                                }),
+                            );
+                        }
+                    }
+                }
+                Action::WakeSender(id) => {
+                    if let Some(n) = self.senders.lock().get(&id) {
+                        n.notify_waiters();
+                    }
+                }
+                Action::WakeMember(id) => {
+                    if let Some(n) = self.members.lock().get(&id) {
+                        n.notify_waiters();
+                    }
+                }
+                Action::Complete { op, result } => {
+                    if let Some(tx) = self.ops.lock().remove(&op) {
+                        let _ = tx.send(result);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Queues a message that may travel with others; a task sends
+    /// everything queued, one batch per node. Several members of a node
+    /// answering the same send then cost the network one message, and the
+    /// task that produced an acknowledgement (often the inbox task, which
+    /// the next delivery count waits behind) does not pay for the send.
+    fn defer(self: &Arc<Self>, to: NodeId, msg: GroupMsg, key: Option<RetryKey>) {
+        let first = {
+            let mut d = self.deferred.lock();
+            let first = d.is_empty();
+            d.entry(to).or_default().push((msg, key));
+            first
+        };
+        if first {
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    let me = Arc::clone(self);
+                    rt.spawn(async move { me.flush() });
+                }
+                // A handle dropped outside any runtime: send at once.
+                Err(_) => self.flush(),
+            }
+        }
+    }
+
+    fn flush(self: &Arc<Self>) {
+        let batches = std::mem::take(&mut *self.deferred.lock());
+        for (to, mut items) in batches {
+            let keys: Vec<RetryKey> = items.iter().filter_map(|(_, k)| *k).collect();
+            let msg = if items.len() == 1 {
+                items.pop().map(|(m, _)| m).expect("one message")
+            } else {
+                GroupMsg::Batch(items.into_iter().map(|(m, _)| m).collect())
+            };
+            if let Err(f) = self.endpoint.send(to, Port::GROUP, Payload::local(msg)) {
+                tracing::debug!(to = %to, %f, "group messages not sent");
+                for key in keys {
+                    self.step(
+                        false,
+                        Box::new(move |core, env, now, out| {
+                            core.on_send_failed(key, to, f.status, env, now, out)
+                        }),
+                    );
+                }
+            }
+        }
+    }
+
+    fn new_op(&self) -> (u64, oneshot::Receiver<Result<DirAnswer, Failure>>) {
+        let op = self.next_op.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.ops.lock().insert(op, tx);
+        (op, rx)
+    }
+
+    async fn wait_op(
+        &self,
+        op: u64,
+        rx: oneshot::Receiver<Result<DirAnswer, Failure>>,
+        limit: Duration,
+    ) -> Result<DirAnswer, Failure> {
+        match tokio::time::timeout(limit + Duration::from_secs(1), rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Failure::new(Status::Internal, "operation abandoned")),
+            Err(_) => {
+                self.ops.lock().remove(&op);
+                Err(Failure::new(Status::TimedOut, "no answer in time"))
+            }
+        }
+    }
+
+    /// A directory request; completes with the directory's answer.
+    async fn directory(self: &Arc<Self>, dir_op: DirOp) -> Result<DirAnswer, Failure> {
+        let (op, rx) = self.new_op();
+        self.step(
+            false,
+            Box::new(move |core, env, now, out| core.directory_op(op, dir_op, env, now, out)),
+        );
+        self.wait_op(op, rx, self.cfg.directory_timeout).await
+    }
+
+    /// The record of `gid`: from the cache, else asked of the directory.
+    async fn record(self: &Arc<Self>, gid: &GroupId) -> Result<GroupRecord, Failure> {
+        if let Some(r) = self.core.lock().record(gid) {
+            return Ok(r.clone());
+        }
+        match self.directory(DirOp::Lookup { gid: gid.clone() }).await? {
+            DirAnswer::Record(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    fn check_secret_len(&self, cred: &Credential) -> Result<(), Failure> {
+        match cred {
+            Credential::Secret(s) if s.len() > self.cfg.max_secret => Err(Failure::new(
+                Status::BadRequest,
+                format!("group secrets are at most {} bytes", self.cfg.max_secret),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    async fn verified(
+        self: &Arc<Self>,
+        gid: &GroupId,
+        cred: &Credential,
+    ) -> Result<GroupKey, Failure> {
+        named(gid)?;
+        self.check_secret_len(cred)?;
+        let rec = self.record(gid).await?;
+        let key = cred.key(&rec.verifier);
+        if !rec.verifier.verify_key(&key) {
+            return Err(Failure::new(
+                Status::WrongSecret,
+                format!("wrong secret for group {gid}"),
+            ));
+        }
+        Ok(key)
+    }
+
+    fn tree(&self, tid: Tid) -> Option<Tree> {
+        let st = self.tm.as_ref()?.status(tid)?;
+        Some(Tree {
+            parent: st.parent,
+            children: st.children,
+        })
+    }
+
+    fn sync_if_directory_changed(self: &Arc<Self>) {
+        let dir = self.endpoint.directory();
+        let inc = dir.and_then(|d| self.endpoint.peer_incarnation(d));
+        let changed = {
+            let mut synced = self.synced.lock();
+            let now = Some((dir, inc));
+            let changed = *synced != now;
+            *synced = now;
+            changed
+        };
+        if changed {
+            self.sync();
+        }
+    }
+
+    fn sync(self: &Arc<Self>) {
+        self.step(
+            false,
+            Box::new(|core, env, now, out| core.sync(env, now, out)),
+        );
+    }
+
+    fn on_membership(self: &Arc<Self>, ev: MembershipEvent) {
+        match ev {
+            MembershipEvent::Left { node, cause, .. } => {
+                let status = match cause {
+                    Status::HostDead => Status::HostDead,
+                    _ => Status::ProcDead,
+                };
+                tracing::debug!(node = %self.endpoint.node_id(), peer = %node, %status, "group: node gone");
+                self.step(
+                    true,
+                    Box::new(move |core, env, now, out| {
+                        core.on_node_dead(node, status, env, now, out)
+                    }),
+                );
+            }
+            MembershipEvent::Joined(info) => {
+                if Some(info.id) == self.endpoint.directory() {
+                    self.sync_if_directory_changed();
+                } else if self.endpoint.directory() == Some(self.endpoint.node_id()) {
+                    self.ask_resync(info.id);
+                }
+            }
+            MembershipEvent::Revived(node) => {
+                if Some(node) == self.endpoint.directory() {
+                    self.sync();
+                } else if self.endpoint.directory() == Some(self.endpoint.node_id()) {
+                    self.ask_resync(node);
+                }
+            }
+        }
+    }
+
+    /// The directory asks a node that came back to introduce itself again
+    /// (its members were dropped while it seemed dead).
+    fn ask_resync(self: &Arc<Self>, node: NodeId) {
+        let _ = self
+            .endpoint
+            .send(node, Port::GROUP, Payload::local(GroupMsg::Resync));
+    }
+
+    fn register_sender(&self) -> (u64, Arc<Notify>) {
+        let id = self.next_sender.fetch_add(1, Ordering::Relaxed);
+        let n = Arc::new(Notify::new());
+        self.senders.lock().insert(id, n.clone());
+        (id, n)
+    }
+}
+
+fn unexpected(a: &DirAnswer) -> Failure {
+    Failure::new(
+        Status::ProtocolError,
+        format!("unexpected directory answer {a:?}"),
+    )
+}
+
+fn named(gid: &GroupId) -> Result<(), Failure> {
+    match gid {
+        GroupId::Named { .. } => Ok(()),
+        GroupId::Tx(_) => Err(Failure::new(
+            Status::BadRequest,
+            "tx:<tid> groups need no set-up: their members are the transaction's participants",
+        )),
+    }
+}
+
+struct Handler(Weak<Shared>);
+
+impl PortHandler for Handler {
+    fn on_message(&self, from: PeerRef, payload: Payload) {
+        let Some(shared) = self.0.upgrade() else {
+            return;
+        };
+        if from.role != PeerRole::Node {
+            tracing::debug!(peer = %from.node, "group message from a client ignored");
+            return;
+        }
+        let msg = match payload.decode::<GroupMsg>() {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(peer = %from.node, "undecodable group message: {e}");
+                return;
+            }
+        };
+        let span = match &msg {
+            GroupMsg::TxDeliver { tid, comm, .. } => {
+                tracing::debug_span!("group.tx_fanout", gid = %GroupId::Tx(*tid), %tid, %comm, from = %from.node)
+            }
+            GroupMsg::Deliver { gid, comm, .. } => {
+                tracing::trace_span!("group.deliver", %gid, %comm, from = %from.node)
+            }
+            other => tracing::trace_span!("group.message", kind = other.kind(), from = %from.node),
+        };
+        let _entered = span.enter();
+        let tree = match &msg {
+            GroupMsg::TxDeliver { tid, .. } => shared.tree(*tid),
+            _ => None,
+        };
+        let full = msg.needs_cluster();
+        shared.step(
+            full,
+            Box::new(move |core, env, now, out| {
+                core.on_message(from.node, msg, tree.as_ref(), env, now, out)
+            }),
+        );
+    }
+}
+
+impl std::fmt::Debug for Groups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Groups")
+            .field("node", &self.node())
+            .finish()
+    }
+}
+
+/// One node's group runtime: the group directory (when the node is the
+/// naming directory), the cached group table, the node's members and the
+/// communications of its senders. Cheap to clone.
+#[derive(Clone)]
+pub struct Groups {
+    shared: Arc<Shared>,
+}
+
+impl Groups {
+    /// Starts the group runtime on `endpoint` (installing the handler of
+    /// [`Port::GROUP`] and a membership listener). `tm` resolves `tx:<tid>`
+    /// groups from the transaction's participant tree; without it this node
+    /// takes part in no transaction group. Must be called inside a tokio
+    /// runtime.
+    ///
+    /// Fails with BadRequest for an invalid configuration.
+    pub fn start(
+        endpoint: Endpoint,
+        tm: Option<TxManager>,
+        cfg: GroupConfig,
+    ) -> Result<Groups, Failure> {
+        cfg.validate()
+            .map_err(|e| Failure::new(Status::BadRequest, format!("group configuration: {e}")))?;
+        let core = Core::new(endpoint.node_id(), endpoint.incarnation(), cfg.clone());
+        let shared = Arc::new(Shared {
+            endpoint: endpoint.clone(),
+            tm,
+            core: Mutex::new(core),
+            ops: Mutex::new(HashMap::new()),
+            next_op: AtomicU64::new(1),
+            next_sender: AtomicU64::new(1),
+            senders: Mutex::new(HashMap::new()),
+            members: Mutex::new(HashMap::new()),
+            synced: Mutex::new(None),
+            deferred: Mutex::new(HashMap::new()),
+            cfg,
+        });
+        shared
+            .members
+            .lock()
+            .insert(NODE_MEMBER, Arc::new(Notify::new()));
+        endpoint.set_port_handler(Port::GROUP, Arc::new(Handler(Arc::downgrade(&shared))));
+        let (events_tx, mut events_rx) = mpsc::unbounded_channel::<MembershipEvent>();
+        endpoint.on_membership(move |ev| {
+            let _ = events_tx.send(ev.clone());
+        });
+        let weak = Arc::downgrade(&shared);
+        tokio::spawn(async move {
+            while let Some(ev) = events_rx.recv().await {
+                let Some(s) = weak.upgrade() else { return };
+                s.on_membership(ev);
+            }
+        });
+        let weak = Arc::downgrade(&shared);
+        let tick = shared.cfg.tick;
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(tick);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                let Some(s) = weak.upgrade() else { return };
+                if s.endpoint.is_crashed() {
+                    return;
+                }
+                s.step(
+                    false,
+                    Box::new(|core, env, now, out| core.tick(env, now, out)),
+                );
+                s.sync_if_directory_changed();
+            }
+        });
+        Ok(Groups { shared })
+    }
+
+    /// This node.
+    pub fn node(&self) -> NodeId {
+        self.shared.endpoint.node_id()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GroupConfig {
+        &self.shared.cfg
+    }
+
+    /// Creates group `gid` (`class:name`) with `secret` (which may be
+    /// empty). Returns once every live node knows the group.
+    ///
+    /// Fails with Refused when it exists, BadRequest for a `tx:` group or a
+    /// secret too long, NoBuffer when the directory is full,
+    /// HostDead/ProcDead/TimedOut/Unavailable when the directory cannot be
+    /// reached.
+    pub async fn create(&self, gid: &GroupId, secret: &str) -> Result<(), Failure> {
+        self.shared
+            .check_secret_len(&Credential::Secret(secret.as_bytes().to_vec()))?;
+        self.create_verified(gid, Verifier::new(secret.as_bytes()))
+            .instrument(tracing::debug_span!("group.create", %gid))
+            .await
+    }
+
+    pub(crate) async fn create_verified(
+        &self,
+        gid: &GroupId,
+        verifier: Verifier,
+    ) -> Result<(), Failure> {
+        named(gid)?;
+        let op = DirOp::Create {
+            gid: gid.clone(),
+            verifier,
+        };
+        self.shared.directory(op).await.map(|_| ())
+    }
+
+    /// Creates a group with a fresh name in `class` (T-Shoshin's
+    /// `create_grp`: the directory allocates the id). Returns the new id.
+    ///
+    /// Fails like [`Groups::create`].
+    pub async fn create_in(&self, class: &str, secret: &str) -> Result<GroupId, Failure> {
+        self.shared
+            .check_secret_len(&Credential::Secret(secret.as_bytes().to_vec()))?;
+        let op = DirOp::CreateUnique {
+            class: class.to_string(),
+            verifier: Verifier::new(secret.as_bytes()),
+        };
+        match self.shared.directory(op).await? {
+            DirAnswer::Allocated(g) => Ok(g),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Destroys `gid`: every member is removed (their queued messages count
+    /// as lost, NoSuchGroup). Returns once every live node dropped it.
+    ///
+    /// Fails with NoSuchGroup, WrongSecret (checked at this node first, then
+    /// by the directory), or the directory's unreachability status.
+    pub async fn destroy(&self, gid: &GroupId, secret: &str) -> Result<(), Failure> {
+        self.destroy_with(gid, Credential::Secret(secret.as_bytes().to_vec()))
+            .instrument(tracing::debug_span!("group.destroy", %gid))
+            .await
+    }
+
+    pub(crate) async fn destroy_with(
+        &self,
+        gid: &GroupId,
+        cred: Credential,
+    ) -> Result<(), Failure> {
+        let key = self.shared.verified(gid, &cred).await?;
+        let op = DirOp::Destroy {
+            gid: gid.clone(),
+            key,
+        };
+        self.shared.directory(op).await.map(|_| ())
+    }
+
+    /// A new process that belongs to no group yet.
+    ///
+    /// Fails with NoBuffer when the node hosts its maximum of members.
+    pub fn member(&self) -> Result<Member, Failure> {
+        let id = self.shared.core.lock().new_member()?;
+        let notify = Arc::new(Notify::new());
+        self.shared.members.lock().insert(id, notify.clone());
+        Ok(Member {
+            shared: self.shared.clone(),
+            id,
+            notify,
+        })
+    }
+
+    /// A new process that joins `gid` at once: [`Groups::member`] then
+    /// [`Member::join`].
+    ///
+    /// Fails like [`Member::join`].
+    pub async fn join(&self, gid: &GroupId, secret: &str) -> Result<Member, Failure> {
+        let m = self.member()?;
+        m.join(gid, secret).await?;
+        Ok(m)
+    }
+
+    /// A new sending process.
+    pub fn sender(&self) -> GroupSender {
+        let (id, notify) = self.shared.register_sender();
+        GroupSender {
+            shared: self.shared.clone(),
+            id,
+            notify,
+        }
+    }
+
+    /// This node's inbox of messages to the `tx:<tid>` groups of the
+    /// transactions it takes part in.
+    pub fn tx_inbox(&self) -> TxInbox {
+        let notify = self
+            .shared
+            .members
+            .lock()
+            .get(&NODE_MEMBER)
+            .cloned()
+            .unwrap_or_default();
+        TxInbox {
+            shared: self.shared.clone(),
+            notify,
+        }
+    }
+
+    /// Every group, as the directory knows them.
+    ///
+    /// Fails when the directory cannot be reached (see [`Groups::cached`]).
+    pub async fn list(&self) -> Result<Vec<GroupInfo>, Failure> {
+        match self.shared.directory(DirOp::List).await? {
+            DirAnswer::List(records) => Ok(self.infos(records)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Every group, as this node's cache knows them (no round trip).
+    pub fn cached(&self) -> Vec<GroupInfo> {
+        let records = self.shared.core.lock().records();
+        self.infos(records)
+    }
+
+    /// One group, from the cache or the directory.
+    ///
+    /// Fails with NoSuchGroup, or when the directory cannot be reached.
+    pub async fn lookup(&self, gid: &GroupId) -> Result<GroupInfo, Failure> {
+        let rec = self.shared.record(gid).await?;
+        Ok(self.infos(vec![rec]).remove(0))
+    }
+
+    /// The salt of `gid`'s secret, for a client that derives the key itself.
+    pub(crate) async fn verifier(&self, gid: &GroupId) -> Result<Verifier, Failure> {
+        named(gid)?;
+        Ok(self.shared.record(gid).await?.verifier)
+    }
+
+    fn infos(&self, records: Vec<GroupRecord>) -> Vec<GroupInfo> {
+        let core = self.shared.core.lock();
+        records
+            .into_iter()
+            .map(|r| GroupInfo {
+                local_members: core.local_members(&r.gid),
+                gid: r.gid,
+                hosts: r.hosts,
+            })
+            .collect()
+    }
+
+    /// Messages this node still retransmits (diagnostics).
+    pub fn outstanding(&self) -> usize {
+        self.shared.core.lock().outstanding()
+    }
+}
+
+/// A receiving process at this node. Dropping it without leaving its groups
+/// is a process death: communications waiting on it get ProcDead.
+#[must_use = "dropping a member is a process death"]
+pub struct Member {
+    shared: Arc<Shared>,
+    id: u64,
+    notify: Arc<Notify>,
+}
+
+impl Member {
+    /// This member.
+    pub fn id(&self) -> MemberId {
+        MemberId {
+            node: self.shared.endpoint.node_id(),
+            id: self.id,
+        }
+    }
+
+    /// Joins `gid`; a process can only join itself. Returns at once when
+    /// this node already hosts members of the group (no round trip), else
+    /// once the directory and every node know this node hosts it.
+    ///
+    /// Fails with NoSuchGroup, WrongSecret, BadRequest for a `tx:` group or
+    /// a secret too long, NoBuffer at a limit, or the directory's
+    /// unreachability status.
+    pub async fn join(&self, gid: &GroupId, secret: &str) -> Result<(), Failure> {
+        self.join_with(gid, Credential::Secret(secret.as_bytes().to_vec()))
+            .instrument(tracing::debug_span!("group.join", %gid, member = %self.id()))
+            .await
+    }
+
+    pub(crate) async fn join_with(&self, gid: &GroupId, cred: Credential) -> Result<(), Failure> {
+        let key = self.shared.verified(gid, &cred).await?;
+        let (op, rx) = self.shared.new_op();
+        let (member, g) = (self.id, gid.clone());
+        let done = self.shared.step(
+            false,
+            Box::new(move |core, env, now, out| core.join(op, member, &g, key, env, now, out)),
+        );
+        match done {
+            Ok(true) => {
+                self.shared.ops.lock().remove(&op);
+                Ok(())
+            }
+            Ok(false) => self
+                .shared
+                .wait_op(op, rx, self.shared.cfg.directory_timeout)
+                .await
+                .map(|_| ()),
+            Err(f) => {
+                self.shared.ops.lock().remove(&op);
+                Err(f)
+            }
+        }
+    }
+
+    /// Leaves `gid`; a process can only leave itself. Messages queued for it
+    /// from the group are dropped (their senders count it as lost).
+    ///
+    /// Fails with NoSuchGroup, WrongSecret, Mismatch when not a member.
+    pub async fn leave(&self, gid: &GroupId, secret: &str) -> Result<(), Failure> {
+        self.leave_with(gid, Credential::Secret(secret.as_bytes().to_vec()))
+            .await
+    }
+
+    pub(crate) async fn leave_with(&self, gid: &GroupId, cred: Credential) -> Result<(), Failure> {
+        self.shared.verified(gid, &cred).await?;
+        let (member, g) = (self.id, gid.clone());
+        self.shared.step(
+            false,
+            Box::new(move |core, env, now, out| core.leave(member, &g, env, now, out)),
+        )
+    }
+
+    /// The groups this member belongs to.
+    pub fn groups(&self) -> Vec<GroupId> {
+        self.shared.core.lock().member_groups(self.id)
+    }
+
+    /// Messages waiting in this member's queue.
+    pub fn pending(&self) -> usize {
+        self.shared.core.lock().queue_len(self.id)
+    }
+
+    fn take(&self, gid: Option<&GroupId>, tag: Option<Tag>) -> Result<Option<Incoming>, Failure> {
+        let got = self.shared.core.lock().receive(self.id, gid, tag)?;
+        Ok(got.map(|r| Incoming::new(self.shared.clone(), self.id, r)))
+    }
+
+    async fn wait(&self, gid: Option<&GroupId>, tag: Option<Tag>) -> Result<Incoming, Failure> {
+        loop {
+            let mut notified = pin!(self.notify.notified());
+            notified.as_mut().enable();
+            if let Some(i) = self.take(gid, tag)? {
+                return Ok(i);
+            }
+            notified.await;
+        }
+    }
+
+    /// T-Shoshin's brec: waits for a message sent to `gid` (with `tag`, if
+    /// given). Cancel-safe.
+    ///
+    /// Fails with NoSuchGroup (unknown or destroyed group), Mismatch (not a
+    /// member), NoComm when the message taken belongs to a communication
+    /// that terminated or was superseded (it is consumed; receive again).
+    pub async fn recv(&self, gid: &GroupId, tag: Option<Tag>) -> Result<Incoming, Failure> {
+        self.wait(Some(gid), tag).await
+    }
+
+    /// T-Shoshin's nrec: like [`Member::recv`] without waiting (`None` when
+    /// nothing is queued).
+    ///
+    /// Fails like [`Member::recv`].
+    pub fn try_recv(&self, gid: &GroupId, tag: Option<Tag>) -> Result<Option<Incoming>, Failure> {
+        self.take(Some(gid), tag)
+    }
+
+    /// T-Shoshin's brecany: waits for a message from any of this member's
+    /// groups. Cancel-safe.
+    ///
+    /// Fails with Mismatch when the member belongs to no group, NoComm as
+    /// [`Member::recv`].
+    pub async fn recv_any(&self, tag: Option<Tag>) -> Result<Incoming, Failure> {
+        self.wait(None, tag).await
+    }
+
+    /// T-Shoshin's nrecany: like [`Member::recv_any`] without waiting.
+    ///
+    /// Fails like [`Member::recv_any`].
+    pub fn try_recv_any(&self, tag: Option<Tag>) -> Result<Option<Incoming>, Failure> {
+        self.take(None, tag)
+    }
+}
+
+impl std::fmt::Debug for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Member").field("id", &self.id()).finish()
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.shared.members.lock().remove(&self.id);
+        let id = self.id;
+        self.shared.step(
+            false,
+            Box::new(move |core, env, now, out| core.drop_member(id, env, now, out)),
+        );
+    }
+}
+
+/// The node's inbox for messages sent to `tx:<tid>` groups of the
+/// transactions it takes part in (the node itself is the member). Several
+/// inbox handles share one queue.
+pub struct TxInbox {
+    shared: Arc<Shared>,
+    notify: Arc<Notify>,
+}
+
+impl std::fmt::Debug for TxInbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxInbox")
+            .field("node", &self.shared.endpoint.node_id())
+            .finish()
+    }
+}
+
+impl TxInbox {
+    /// Waits for a message to `tx:<tid>` (any transaction when `None`).
+    /// Cancel-safe.
+    ///
+    /// Fails with NoComm when the message taken belongs to a terminated
+    /// communication (it is consumed; receive again).
+    pub async fn recv(&self, tid: Option<Tid>) -> Result<Incoming, Failure> {
+        loop {
+            let mut notified = pin!(self.notify.notified());
+            notified.as_mut().enable();
+            if let Some(i) = self.try_recv(tid)? {
+                return Ok(i);
+            }
+            notified.await;
+        }
+    }
+
+    /// Like [`TxInbox::recv`] without waiting.
+    ///
+    /// Fails like [`TxInbox::recv`].
+    pub fn try_recv(&self, tid: Option<Tid>) -> Result<Option<Incoming>, Failure> {
+        let gid = tid.map(GroupId::Tx);
+        let got = self
+            .shared
+            .core
+            .lock()
+            .receive(NODE_MEMBER, gid.as_ref(), None)?;
+        Ok(got.map(|r| Incoming::new(self.shared.clone(), NODE_MEMBER, r)))
+    }
+}
+
+/// A message a member took from its queue. It may be replied to once.
+pub struct Incoming {
+    shared: Arc<Shared>,
+    member: u64,
+    comm: CommId,
+    gid: GroupId,
+    tag: Tag,
+    payload: Option<Payload>,
+}
+
+impl std::fmt::Debug for Incoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Incoming")
+            .field("gid", &self.gid)
+            .field("comm", &self.comm)
+            .field("tag", &self.tag)
+            .field("payload", &self.payload)
+            .finish()
+    }
+}
+
+impl Incoming {
+    fn new(shared: Arc<Shared>, member: u64, r: crate::core::host::Received) -> Self {
+        Incoming {
+            shared,
+            member,
+            comm: r.comm,
+            gid: r.gid,
+            tag: r.tag,
+            payload: Some(r.payload),
+        }
+    }
+
+    /// The group it was sent to.
+    pub fn gid(&self) -> &GroupId {
+        &self.gid
+    }
+
+    /// Who sent it.
+    pub fn sender(&self) -> SenderId {
+        self.comm.sender
+    }
+
+    /// The communication (sender and session).
+    pub fn comm(&self) -> CommId {
+        self.comm
+    }
+
+    /// Its tag.
+    pub fn tag(&self) -> Tag {
+        self.tag
+    }
+
+    /// The message, unless taken.
+    pub fn payload(&self) -> Option<&Payload> {
+        self.payload.as_ref()
+    }
+
+    /// Takes the message out (`None` when already taken).
+    pub fn take_payload(&mut self) -> Option<Payload> {
+        self.payload.take()
+    }
+
+    /// Takes the message out as a `T`.
+    ///
+    /// Fails with Mismatch when it is not a `T` or was already taken.
+    pub fn decode<T: DeserializeOwned + Send + 'static>(&mut self) -> Result<T, Failure> {
+        let p = self
+            .payload
+            .take()
+            .ok_or_else(|| Failure::new(Status::Mismatch, "the message was already taken"))?;
+        p.decode()
+            .map_err(|e| Failure::new(Status::Mismatch, format!("message from {}: {e}", self.comm)))
+    }
+
+    /// Replies to the sender. Returns once the sender's node buffered the
+    /// reply; it never waits for the sender to ask for it.
+    ///
+    /// Fails with NoComm when the communication terminated, was superseded
+    /// or its sender died; Mismatch when this member already replied;
+    /// NoBuffer when the sender's reply buffer is full; TimedOut when the
+    /// sender's node does not answer; TooLarge beyond the message limit.
+    pub fn reply(
+        &self,
+        payload: Payload,
+    ) -> impl std::future::Future<Output = Result<(), Failure>> + Send + 'static {
+        let span = tracing::debug_span!("group.reply", gid = %self.gid, comm = %self.comm);
+        let shared = self.shared.clone();
+        let (member, comm) = (self.member, self.comm);
+        async move {
+            let (op, rx) = shared.new_op();
+            let started = shared.step(
+                false,
+                Box::new(move |core, _env, now, out| {
+                    core.reply(op, member, &comm, payload, now, out)
+                }),
+            );
+            if let Err(f) = started {
+                shared.ops.lock().remove(&op);
+                return Err(f);
+            }
+            shared
+                .wait_op(op, rx, shared.cfg.reply_timeout)
+                .await
+                .map(|_| ())
+        }
+        .instrument(span)
+    }
+
+    /// Replies with a typed value (moved, not serialized, when the sender
+    /// is in this process).
+    ///
+    /// Fails like [`Incoming::reply`].
+    pub fn reply_value<T: Serialize + Send + 'static>(
+        &self,
+        value: T,
+    ) -> impl std::future::Future<Output = Result<(), Failure>> + Send + 'static {
+        self.reply(Payload::local(value))
+    }
+}
+
+/// A sending process at this node. It has at most one communication per
+/// group: a new send to a group supersedes the previous one. Dropping it is
+/// the sender's death: its communications terminate.
+#[must_use = "dropping a sender terminates its communications"]
+pub struct GroupSender {
+    shared: Arc<Shared>,
+    id: u64,
+    notify: Arc<Notify>,
+}
+
+impl GroupSender {
+    /// This sender.
+    pub fn id(&self) -> SenderId {
+        SenderId {
+            node: self.shared.endpoint.node_id(),
+            incarnation: self.shared.endpoint.incarnation(),
+            id: self.id,
+        }
+    }
+
+    /// Sends `payload` to `gid` (T-Shoshin's bsend). Returns the number of
+    /// members it was delivered to (queued at the member) once every member
+    /// node answered. The replies wanted start at that count.
+    ///
+    /// Fails with NoSuchGroup, NoMembers (nobody to deliver to), NoBuffer
+    /// (every member reached had a full queue), HostDead/ProcDead/TimedOut/
+    /// AddrError (no member node could be reached; the first node's status),
+    /// TooLarge, NoComm when a concurrent send by this sender to the same
+    /// group superseded it first.
+    pub async fn send(&self, gid: &GroupId, payload: Payload) -> Result<usize, Failure> {
+        self.send_tagged(gid, Tag::default(), payload).await
+    }
+
+    /// [`GroupSender::send`] with a tag for members' selective receives.
+    ///
+    /// Fails like [`GroupSender::send`].
+    pub async fn send_tagged(
+        &self,
+        gid: &GroupId,
+        tag: Tag,
+        payload: Payload,
+    ) -> Result<usize, Failure> {
+        let span = tracing::debug_span!("group.send", %gid, tid = tracing::field::Empty);
+        if let GroupId::Tx(tid) = gid {
+            span.record("tid", tracing::field::display(tid));
+        }
+        self.send_inner(gid, tag, payload).instrument(span).await
+    }
+
+    async fn send_inner(
+        &self,
+        gid: &GroupId,
+        tag: Tag,
+        payload: Payload,
+    ) -> Result<usize, Failure> {
+        let sender = self.id;
+        let comm = match gid {
+            GroupId::Named { .. } => {
+                let hosts = self.shared.record(gid).await?.hosts;
+                let g = gid.clone();
+                self.shared.step(
+                    false,
+                    Box::new(move |core, _env, now, out| {
+                        core.send(sender, &g, tag, payload, &hosts, now, out)
+                    }),
+                )?
+            }
+            GroupId::Tx(tid) => {
+                let tree = self.shared.tree(*tid);
+                let tid = *tid;
+                self.shared.step(
+                    false,
+                    Box::new(move |core, _env, now, out| {
+                        core.send_tx(sender, tid, tag, payload, tree.as_ref(), now, out)
+                    }),
+                )?
+            }
+        };
+        let deadline = Instant::now() + self.shared.cfg.count_timeout + Duration::from_secs(1);
+        let delivery = loop {
+            let mut notified = pin!(self.notify.notified());
+            notified.as_mut().enable();
+            match self.shared.core.lock().progress(&comm) {
+                Progress::Counted(d) => break d,
+                Progress::Gone => {
+                    return Err(Failure::new(
+                        Status::NoComm,
+                        format!("the send to {gid} was superseded by another send"),
+                    ))
+                }
+                Progress::Counting => {}
+            }
+            if tokio::time::timeout_at(deadline.into(), notified)
+                .await
+                .is_err()
+            {
+                return Err(Failure::new(
+                    Status::TimedOut,
+                    "delivery counts did not arrive",
+                ));
+            }
+        };
+        tracing::debug!(
+            delivered = delivery.delivered,
+            full = delivery.full,
+            "group send counted"
+        );
+        if delivery.delivered == 0 {
+            return Err(delivery.failure(gid));
+        }
+        Ok(delivery.delivered as usize)
+    }
+
+    /// How the last send to `gid` went: members reached, full queues,
+    /// unreachable nodes.
+    pub fn delivery(&self, gid: &GroupId) -> Option<Delivery> {
+        self.shared.core.lock().delivery(self.id, gid)
+    }
+
+    /// T-Shoshin's totreply: lowers the total number of replies wanted from
+    /// the communication with `gid` (replies already taken count; raising is
+    /// ignored). 0 terminates the communication. Returns the effective
+    /// total. Replies beyond it are dropped, not queued.
+    ///
+    /// Fails with NoComm when there is no communication with `gid` or it is
+    /// over.
+    pub fn set_replies(&self, gid: &GroupId, n: usize) -> Result<usize, Failure> {
+        let (sender, g) = (self.id, gid.clone());
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        self.shared
+            .step(
+                false,
+                Box::new(move |core, _env, _now, out| core.set_replies(sender, &g, n, out)),
+            )
+            .map(|n| n as usize)
+    }
+
+    /// T-Shoshin's getreply: the next reply of the communication with `gid`,
+    /// waiting up to `timeout`. A member that will never reply yields its
+    /// failure instead (HostDead: its node died; ProcDead: the process died
+    /// or left; NoSuchGroup: the group was destroyed), so waiting for every
+    /// reply never hangs on the dead.
+    ///
+    /// Fails with those statuses, TimedOut, or NoComm when the
+    /// communication is over (every wanted reply taken, replies set to 0,
+    /// superseded, or no send).
+    pub async fn next_reply(&self, gid: &GroupId, timeout: Duration) -> Result<Reply, Failure> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut notified = pin!(self.notify.notified());
+            notified.as_mut().enable();
+            let took = self.shared.core.lock().take_reply(self.id, gid);
+            match took {
+                Take::Item(ReplyItem::Reply { from, payload }) => {
+                    return Ok(Reply { from, payload })
+                }
+                Take::Item(ReplyItem::Lost {
+                    member,
+                    node,
+                    status,
+                }) => {
+                    let who = member
+                        .map_or_else(|| format!("a member at node {node}"), |m| m.to_string());
+                    return Err(Failure::new(
+                        status,
+                        format!("{who} will not reply to {gid}: {status}"),
+                    ));
+                }
+                Take::NoComm(why) => return Err(Failure::new(Status::NoComm, why)),
+                Take::Pending => {}
+            }
+            if tokio::time::timeout_at(deadline.into(), notified)
+                .await
+                .is_err()
+            {
+                return Err(Failure::new(
+                    Status::TimedOut,
+                    format!("no reply from {gid} within {timeout:?}"),
+                ));
+            }
+        }
+    }
+
+    /// Sends `payload` to `gid` and returns the first reply (waiting up to
+    /// `timeout` after the send); the communication then terminates.
+    ///
+    /// Fails like [`GroupSender::send`], TimedOut when no reply came, or
+    /// the last member's failure when every member reached will never reply.
+    pub async fn request(
+        &self,
+        gid: &GroupId,
+        payload: Payload,
+        timeout: Duration,
+    ) -> Result<Reply, Failure> {
+        self.send(gid, payload).await?;
+        let mut last = None;
+        loop {
+            match self.next_reply(gid, timeout).await {
+                Ok(r) => {
+                    let _ = self.set_replies(gid, 0);
+                    return Ok(r);
+                }
+                Err(f) if f.status == Status::NoComm => {
+                    return Err(last.unwrap_or(f));
+                }
+                Err(f) if f.status == Status::TimedOut => {
+                    let _ = self.set_replies(gid, 0);
+                    return Err(f);
+                }
+                Err(f) => last = Some(f),
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for GroupSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupSender")
+            .field("id", &self.id())
+            .finish()
+    }
+}
+
+impl Drop for GroupSender {
+    fn drop(&mut self) {
+        self.shared.senders.lock().remove(&self.id);
+        let id = self.id;
+        self.shared.step(
+            false,
+            Box::new(move |core, _env, _now, out| core.drop_sender(id, out)),
+        );
+    }
+}
