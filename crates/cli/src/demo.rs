@@ -5,19 +5,19 @@
 //! Owns the demo's choreography. Must need nothing set up by hand, and must
 //! exit non-zero when the audit fails.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use weft_raid::{ClusterOptions, Mode, RaidCluster, Workload};
 
+use crate::child::ChildNode;
 use crate::client::{parse_duration, Client, ClientOpts};
-use crate::raid_cmd::{audit_cluster, cluster_counters, load_cluster, print_audit, print_results, run_remote};
+use crate::raid_cmd::{
+    audit_cluster, cluster_counters, load_cluster, print_audit, print_results, run_remote,
+};
 
 /// Flags of `weft demo`.
 #[derive(clap::Args, Debug)]
@@ -87,7 +87,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     println!(
         "weft demo: Raid on weft, {} site(s) {}, every relation replicated on every site",
         args.sites,
-        if args.processes { "as child processes" } else { "in this process" }
+        if args.processes {
+            "as child processes"
+        } else {
+            "in this process"
+        }
     );
     println!(
         "DebitCredit {} (scale {}), {} clients for {:?}; data on disk, fsync on",
@@ -111,9 +115,11 @@ async fn run_in_process(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resu
     let ads = cluster.ads()?;
     let runners: Vec<_> = ads
         .into_iter()
-        .map(|ad| move |req| {
-            let ad = ad.clone();
-            async move { ad.run(req).await }
+        .map(|ad| {
+            move |req| {
+                let ad = ad.clone();
+                async move { ad.run(req).await }
+            }
         })
         .collect();
     let before = cluster.counters();
@@ -122,7 +128,10 @@ async fn run_in_process(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resu
     let ticker = spawn_ticker(pb.clone(), progress.clone());
     let report = weft_raid::run_closed(
         runners,
-        Workload { mode: args.mode, sizes },
+        Workload {
+            mode: args.mode,
+            sizes,
+        },
         args.clients,
         args.duration,
         args.seed,
@@ -133,8 +142,19 @@ async fn run_in_process(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resu
     pb.finish_and_clear();
     let settled = cluster.quiesce(Duration::from_secs(30)).await;
     let after = cluster.counters();
-    let per = |x: u64| if report.committed == 0 { 0.0 } else { x as f64 / report.committed as f64 };
-    print_results(&report, args.sites as usize, Some(per(after.messages - before.messages)), Some(per(after.forces - before.forces)));
+    let per = |x: u64| {
+        if report.committed == 0 {
+            0.0
+        } else {
+            x as f64 / report.committed as f64
+        }
+    };
+    print_results(
+        &report,
+        args.sites as usize,
+        Some(per(after.messages - before.messages)),
+        Some(per(after.forces - before.forces)),
+    );
     let audit = cluster.audit();
     let ok = print_audit(&audit) && settled;
     if !settled {
@@ -145,49 +165,43 @@ async fn run_in_process(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resu
     Ok(())
 }
 
-/// A `weft raid site` child process, killed when dropped.
-struct SiteProc {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for SiteProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn_site(id: u32, dir: &std::path::Path, join: Option<&str>) -> anyhow::Result<SiteProc> {
-    let exe = std::env::current_exe().context("locating the weft binary")?;
-    let mut cmd = Command::new(exe);
-    cmd.args(["raid", "site", "--id", &id.to_string(), "--listen", "127.0.0.1:0"]);
-    cmd.arg("--data-dir").arg(dir.join(format!("site{id}")));
+/// Starts `weft raid site` number `id` with its data under `dir`.
+fn spawn_site(id: u32, dir: &std::path::Path, join: Option<&str>) -> anyhow::Result<ChildNode> {
+    let mut args: Vec<String> = [
+        "raid",
+        "site",
+        "--id",
+        &id.to_string(),
+        "--listen",
+        "127.0.0.1:0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.push("--data-dir".into());
+    args.push(dir.join(format!("site{id}")).display().to_string());
     if let Some(j) = join {
-        cmd.args(["--join", j]);
+        args.push("--join".into());
+        args.push(j.to_string());
     }
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().context("starting a site")?;
-    let stdout = child.stdout.take().expect("piped");
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).context("reading the site's ready line")?;
-    let addr = line
-        .split(" listening on ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .with_context(|| format!("site {id} did not start: {line:?}"))?
-        .to_string();
-    Ok(SiteProc { child, addr })
+    ChildNode::start(&format!("site {id}"), &args)
 }
 
 async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Result<()> {
-    let dir = tempfile::Builder::new().prefix(".weft-demo-").tempdir_in(base)?;
+    let dir = tempfile::Builder::new()
+        .prefix(".weft-demo-")
+        .tempdir_in(base)?;
     let spinner = crate::bench::progress("starting site processes");
     let mut procs = vec![spawn_site(1, dir.path(), None)?];
     let first = procs[0].addr.clone();
     for id in 2..=args.sites {
         procs.push(spawn_site(id, dir.path(), Some(&first))?);
     }
-    let opts = ClientOpts { node: first, secret: String::new(), timeout: Duration::from_secs(60) };
+    let opts = ClientOpts {
+        node: first,
+        secret: String::new(),
+        timeout: Duration::from_secs(60),
+    };
     // Wait until the directory sees every site.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -209,13 +223,33 @@ async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resul
     let progress = Arc::new(AtomicU64::new(0));
     let pb = live_bar(args.duration);
     let ticker = spawn_ticker(pb.clone(), progress.clone());
-    let report = run_remote(&opts, args.mode, args.scale, args.clients, args.duration, args.seed, progress).await?;
+    let report = run_remote(
+        &opts,
+        args.mode,
+        args.scale,
+        args.clients,
+        args.duration,
+        args.seed,
+        progress,
+    )
+    .await?;
     ticker.abort();
     pb.finish_and_clear();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (m1, f1) = cluster_counters(&opts).await?;
-    let per = |x: u64| if report.committed == 0 { 0.0 } else { x as f64 / report.committed as f64 };
-    print_results(&report, args.sites as usize, Some(per(m1 - m0)), Some(per(f1 - f0)));
+    let per = |x: u64| {
+        if report.committed == 0 {
+            0.0
+        } else {
+            x as f64 / report.committed as f64
+        }
+    };
+    print_results(
+        &report,
+        args.sites as usize,
+        Some(per(m1 - m0)),
+        Some(per(f1 - f0)),
+    );
     let c = Client::connect(&opts).await?;
     let audit = audit_cluster(&c).await?;
     c.close().await;

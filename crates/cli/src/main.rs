@@ -3,8 +3,10 @@
 
 mod bench;
 mod call_cmd;
+mod child;
 mod client;
 mod demo;
+mod group_cmd;
 mod kv_cmd;
 mod node_cmd;
 mod raid_cmd;
@@ -44,12 +46,20 @@ enum Cmd {
     /// Run Raid sites and drive DebitCredit against them.
     #[command(subcommand)]
     Raid(raid_cmd::RaidCmd),
+    /// Create, join, send to and list process groups.
+    Group(group_cmd::GroupArgs),
     /// Benchmarks against same-run baselines.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
 }
 
 fn main() {
+    // `weft bench rpc` re-runs this binary as its shared-memory helper
+    // process (a hidden mode, before any argument parsing).
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some(weft_transport::shm::bench::PEER_ARG) {
+        std::process::exit(weft_transport::shm::bench::peer_main(args[2..].to_vec()));
+    }
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -70,6 +80,7 @@ fn main() {
             Cmd::Call(a) => call_cmd::run(a).await,
             Cmd::Tx(c) => tx_cmd::run(c).await,
             Cmd::Kv(c) => kv_cmd::run(c).await,
+            Cmd::Group(a) => group_cmd::run(a).await,
             Cmd::Bench(c) => bench::run(c).await,
         }
     });

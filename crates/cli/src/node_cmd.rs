@@ -103,6 +103,7 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let node = args
         .builder()?
         .plugin(Arc::new(kv))
+        .plugin(weft_group::GroupPlugin::new(Default::default()))
         .start()
         .await
         .with_context(|| format!("node {} did not start", args.id))?;

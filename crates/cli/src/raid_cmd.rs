@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use weft::admin::{StatusReport, STATUS_SERVICE};
 use weft_raid::{
-    run_closed, AdRequest, Audit, LoadReply, LoadRequest, Mode, RaidSite, RunReport, SiteAudit, SiteConfig,
-    Workload, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE,
+    run_closed, AdRequest, Audit, LoadReply, LoadRequest, Mode, RaidSite, RunReport, SiteAudit,
+    SiteConfig, Workload, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE,
 };
 use weft_wire::{Address, Failure, NodeId, ServiceName};
 
@@ -77,7 +77,11 @@ pub enum RaidCmd {
 }
 
 fn service(name: &str, node: NodeId) -> Address {
-    Address { service: ServiceName::new(name).expect("valid service name"), instance: 0, node }
+    Address {
+        service: ServiceName::new(name).expect("valid service name"),
+        instance: 0,
+        node,
+    }
 }
 
 /// The Raid sites a node knows (id and address), from its status.
@@ -91,7 +95,10 @@ async fn sites(client: &Client) -> anyhow::Result<Vec<(NodeId, String)>> {
         .map(|n| (n.info.id, n.info.addr.clone().unwrap_or_default()))
         .collect();
     v.sort();
-    anyhow::ensure!(!v.is_empty(), "no Raid site in the cluster (start them with `weft raid site`)");
+    anyhow::ensure!(
+        !v.is_empty(),
+        "no Raid site in the cluster (start them with `weft raid site`)"
+    );
     Ok(v)
 }
 
@@ -107,7 +114,9 @@ pub async fn audit_cluster(client: &Client) -> anyhow::Result<Audit> {
 
 /// Loads every site through `client`.
 pub async fn load_cluster(client: &Client, mode: Mode, scale: u32) -> anyhow::Result<u64> {
-    let req = LoadRequest { sizes: Workload::sizes(mode, scale) };
+    let req = LoadRequest {
+        sizes: Workload::sizes(mode, scale),
+    };
     let mut tuples = 0;
     for (id, _) in sites(client).await? {
         let r: LoadReply = client.call(&service(LOAD_SERVICE, id), req, None).await?;
@@ -122,7 +131,11 @@ pub async fn cluster_counters(opts: &ClientOpts) -> anyhow::Result<(u64, u64)> {
     let mut msgs = 0;
     let mut forces = 0;
     for (_, addr) in sites(&gateway).await? {
-        let c = Client::connect(&ClientOpts { node: addr, ..opts.clone() }).await?;
+        let c = Client::connect(&ClientOpts {
+            node: addr,
+            ..opts.clone()
+        })
+        .await?;
         let r: StatusReport = c.call_here(STATUS_SERVICE, ()).await?;
         msgs += r.transport.work_messages();
         forces += r.log.syncs;
@@ -149,9 +162,12 @@ pub async fn run_remote(
     let mut runners = Vec::new();
     for (id, addr) in list {
         let c = Arc::new(
-            Client::connect(&ClientOpts { node: addr.clone(), ..opts.clone() })
-                .await
-                .with_context(|| format!("connecting to site {id} at {addr}"))?,
+            Client::connect(&ClientOpts {
+                node: addr.clone(),
+                ..opts.clone()
+            })
+            .await
+            .with_context(|| format!("connecting to site {id} at {addr}"))?,
         );
         let ad = service(AD_SERVICE, id);
         runners.push(move |req: AdRequest| {
@@ -163,7 +179,10 @@ pub async fn run_remote(
             }
         });
     }
-    let workload = Workload { mode, sizes: Workload::sizes(mode, scale) };
+    let workload = Workload {
+        mode,
+        sizes: Workload::sizes(mode, scale),
+    };
     Ok(run_closed(runners, workload, clients, duration, seed, progress).await)
 }
 
@@ -171,17 +190,39 @@ pub async fn run_remote(
 pub fn print_results(r: &RunReport, sites: usize, messages: Option<f64>, forces: Option<f64>) {
     println!();
     println!("{:<28} {}", "sites", sites);
-    println!("{:<28} {} clients, {} mode, {:.1} s", "run", r.clients, r.mode, r.duration_s);
-    println!("{:<28} {} committed of {} attempts", "transactions", r.committed, r.attempts);
+    println!(
+        "{:<28} {} clients, {} mode, {:.1} s",
+        "run", r.clients, r.mode, r.duration_s
+    );
+    println!(
+        "{:<28} {} committed of {} attempts",
+        "transactions", r.committed, r.attempts
+    );
     println!("{:<28} {:.0}", "throughput (tps)", r.tps);
-    println!("{:<28} p50 {:.2} ms, p99 {:.2} ms", "latency", r.p50_us / 1000.0, r.p99_us / 1000.0);
+    println!(
+        "{:<28} p50 {:.2} ms, p99 {:.2} ms",
+        "latency",
+        r.p50_us / 1000.0,
+        r.p99_us / 1000.0
+    );
     let aborts: Vec<String> = r.aborts.iter().map(|(k, v)| format!("{k} {v}")).collect();
-    println!("{:<28} {}", "aborts by cause", if aborts.is_empty() { "none".into() } else { aborts.join(", ") });
+    println!(
+        "{:<28} {}",
+        "aborts by cause",
+        if aborts.is_empty() {
+            "none".into()
+        } else {
+            aborts.join(", ")
+        }
+    );
     for (status, detail) in &r.abort_samples {
         println!("{:<28}   e.g. {status}: {detail}", "");
     }
     if let Some(m) = messages {
-        println!("{:<28} {:.1} (Raid V1: 168 for a single-site transaction)", "messages per transaction", m);
+        println!(
+            "{:<28} {:.1} (Raid V1: 168 for a single-site transaction)",
+            "messages per transaction", m
+        );
     }
     if let Some(f) = forces {
         println!("{:<28} {:.3}", "log forces per transaction", f);
@@ -201,7 +242,11 @@ pub fn print_audit(audit: &Audit) -> bool {
             sum("branch"),
             a.history_sums.get("account").copied().unwrap_or_default(),
             a.history_rows,
-            if a.problems().is_empty() { "ok" } else { "FAILED" }
+            if a.problems().is_empty() {
+                "ok"
+            } else {
+                "FAILED"
+            }
         );
     }
     let problems = audit.problems();
@@ -216,23 +261,49 @@ pub fn print_audit(audit: &Audit) -> bool {
 /// Runs `weft raid ...`.
 pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
     match cmd {
-        RaidCmd::Site { node, action_timeout } => {
-            let site = RaidSite::new(SiteConfig { action_timeout, ..SiteConfig::default() });
-            let n = node.builder()?.plugin(Arc::new(site)).start().await.context("the site did not start")?;
+        RaidCmd::Site {
+            node,
+            action_timeout,
+        } => {
+            let site = RaidSite::new(SiteConfig {
+                action_timeout,
+                ..SiteConfig::default()
+            });
+            let n = node
+                .builder()?
+                .plugin(Arc::new(site))
+                .start()
+                .await
+                .context("the site did not start")?;
             announce(&n);
             wait_for_signal().await;
             n.shutdown().await;
             Ok(())
         }
-        RaidCmd::Load { client, mode, scale } => {
+        RaidCmd::Load {
+            client,
+            mode,
+            scale,
+        } => {
             let c = Client::connect(&client).await?;
             let started = Instant::now();
             let tuples = load_cluster(&c, mode, scale).await?;
             c.close().await;
-            println!("loaded {tuples} tuples in {:.1} s", started.elapsed().as_secs_f64());
+            println!(
+                "loaded {tuples} tuples in {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
             Ok(())
         }
-        RaidCmd::Run { client, mode, scale, clients, duration, seed, json } => {
+        RaidCmd::Run {
+            client,
+            mode,
+            scale,
+            clients,
+            duration,
+            seed,
+            json,
+        } => {
             let (m0, f0) = cluster_counters(&client).await?;
             let progress = Arc::new(AtomicU64::new(0));
             let bar = crate::bench::progress("running");
@@ -242,13 +313,22 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
                 loop {
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     let n = p2.load(Ordering::Relaxed);
-                    bar.set_message(format!("{n} committed, {:.0} tps", n as f64 / start.elapsed().as_secs_f64()));
+                    bar.set_message(format!(
+                        "{n} committed, {:.0} tps",
+                        n as f64 / start.elapsed().as_secs_f64()
+                    ));
                 }
             });
             let r = run_remote(&client, mode, scale, clients, duration, seed, progress).await?;
             ticker.abort();
             let (m1, f1) = cluster_counters(&client).await?;
-            let per = |x: u64| if r.committed == 0 { 0.0 } else { x as f64 / r.committed as f64 };
+            let per = |x: u64| {
+                if r.committed == 0 {
+                    0.0
+                } else {
+                    x as f64 / r.committed as f64
+                }
+            };
             if json {
                 let mut v = serde_json::to_value(&r)?;
                 v["messages_per_txn"] = serde_json::json!(per(m1 - m0));
@@ -267,8 +347,11 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             let audit = audit_cluster(&c).await?;
             c.close().await;
             let ok = if json {
-                let by_site: BTreeMap<String, &SiteAudit> =
-                    audit.sites.iter().map(|(n, a)| (n.to_string(), a)).collect();
+                let by_site: BTreeMap<String, &SiteAudit> = audit
+                    .sites
+                    .iter()
+                    .map(|(n, a)| (n.to_string(), a))
+                    .collect();
                 println!(
                     "{}",
                     serde_json::to_string_pretty(&serde_json::json!({

@@ -217,7 +217,9 @@ where
                         }
                         Err(f) => {
                             *out.aborts.entry(f.status.to_string()).or_default() += 1;
-                            out.samples.entry(f.status.to_string()).or_insert_with(|| f.detail.clone());
+                            out.samples
+                                .entry(f.status.to_string())
+                                .or_insert_with(|| f.detail.clone());
                             if Instant::now() >= stop {
                                 break;
                             }

@@ -419,7 +419,11 @@ impl weft::Resource for SlowApply {
     fn class(&self) -> weft::ParticipationClass {
         weft::ParticipationClass::TwoPhase
     }
-    fn prepare<'a>(&'a self, _tid: weft::Tid, _log: &'a weft::Log) -> futures::future::BoxFuture<'a, weft::Vote> {
+    fn prepare<'a>(
+        &'a self,
+        _tid: weft::Tid,
+        _log: &'a weft::Log,
+    ) -> futures::future::BoxFuture<'a, weft::Vote> {
         Box::pin(async { weft::Vote::Yes { durable: true } })
     }
     fn commit(&self, _tid: weft::Tid) -> futures::future::BoxFuture<'_, ()> {
@@ -436,7 +440,10 @@ async fn commit_returns_only_once_the_coordinators_resources_applied_it() {
     let c = Cluster::start(2, 209).await;
     let applied = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let tx = c.node(1).begin();
-    c.node(1).tm().enlist(tx.tid(), Arc::new(SlowApply(applied.clone()))).unwrap();
+    c.node(1)
+        .tm()
+        .enlist(tx.tid(), Arc::new(SlowApply(applied.clone())))
+        .unwrap();
     tx.commit().await.unwrap();
     assert!(
         applied.load(std::sync::atomic::Ordering::SeqCst),

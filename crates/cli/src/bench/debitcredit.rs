@@ -59,19 +59,27 @@ async fn run_sites(args: &DebitCreditArgs, sites: u32) -> anyhow::Result<SiteRun
     let cluster = RaidCluster::start(sites, &base, ClusterOptions::default()).await?;
     let sizes = Workload::sizes(args.mode, args.scale);
     cluster.load(sizes).await?;
-    pb.set_message(format!("{sites} site(s): {} clients for {:?}", args.clients, args.duration));
+    pb.set_message(format!(
+        "{sites} site(s): {} clients for {:?}",
+        args.clients, args.duration
+    ));
     let runners: Vec<_> = cluster
         .ads()?
         .into_iter()
-        .map(|ad| move |req| {
-            let ad = ad.clone();
-            async move { ad.run(req).await }
+        .map(|ad| {
+            move |req| {
+                let ad = ad.clone();
+                async move { ad.run(req).await }
+            }
         })
         .collect();
     let before = cluster.counters();
     let report = weft_raid::run_closed(
         runners,
-        Workload { mode: args.mode, sizes },
+        Workload {
+            mode: args.mode,
+            sizes,
+        },
         args.clients,
         args.duration,
         1,
@@ -80,7 +88,13 @@ async fn run_sites(args: &DebitCreditArgs, sites: u32) -> anyhow::Result<SiteRun
     .await;
     let settled = cluster.quiesce(Duration::from_secs(30)).await;
     let after = cluster.counters();
-    let per = |x: u64| if report.committed == 0 { 0.0 } else { x as f64 / report.committed as f64 };
+    let per = |x: u64| {
+        if report.committed == 0 {
+            0.0
+        } else {
+            x as f64 / report.committed as f64
+        }
+    };
     let audit_ok = settled && cluster.audit().passed();
     cluster.shutdown().await;
     pb.finish_and_clear();
@@ -101,11 +115,20 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
     }
     let mut pg = None;
     if args.pgbench {
-        anyhow::ensure!(args.mode == Mode::Tpcb, "pgbench runs the tpcb transaction: use --mode tpcb");
-        let pb = progress(&format!("pgbench, scale {}, {} clients", args.scale, args.clients));
-        let mut server =
-            tokio::task::spawn_blocking(|| weft_pg::TempPostgres::start(weft_pg::ServerOptions::default())).await??;
-        let r = weft_bench::pgbench::run(&server, args.scale, args.clients as u32, args.duration).await?;
+        anyhow::ensure!(
+            args.mode == Mode::Tpcb,
+            "pgbench runs the tpcb transaction: use --mode tpcb"
+        );
+        let pb = progress(&format!(
+            "pgbench, scale {}, {} clients",
+            args.scale, args.clients
+        ));
+        let mut server = tokio::task::spawn_blocking(|| {
+            weft_pg::TempPostgres::start(weft_pg::ServerOptions::default())
+        })
+        .await??;
+        let r = weft_bench::pgbench::run(&server, args.scale, args.clients as u32, args.duration)
+            .await?;
         tokio::task::spawn_blocking(move || server.stop()).await??;
         pb.finish_and_clear();
         pg = Some(r);
@@ -134,18 +157,37 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
         );
         let s = r.sites;
         report.insert(format!("weft_tps_sites_{s}"), json!(r2(r.report.tps)));
-        report.insert(format!("p50_ms_sites_{s}"), json!(r2(r.report.p50_us / 1000.0)));
-        report.insert(format!("p99_ms_sites_{s}"), json!(r2(r.report.p99_us / 1000.0)));
+        report.insert(
+            format!("p50_ms_sites_{s}"),
+            json!(r2(r.report.p50_us / 1000.0)),
+        );
+        report.insert(
+            format!("p99_ms_sites_{s}"),
+            json!(r2(r.report.p99_us / 1000.0)),
+        );
         report.insert(format!("messages_per_txn_sites_{s}"), json!(r2(r.messages)));
-        report.insert(format!("forces_per_txn_sites_{s}"), json!(r2(r.forces * 1000.0) / 1000.0));
+        report.insert(
+            format!("forces_per_txn_sites_{s}"),
+            json!(r2(r.forces * 1000.0) / 1000.0),
+        );
         report.insert(format!("aborts_sites_{s}"), json!(r.report.aborts));
         report.insert(format!("audit_sites_{s}"), json!(r.audit_ok));
-        bars.push((format!("weft {s} site{}", if s == 1 { "" } else { "s" }), r.report.tps));
+        bars.push((
+            format!("weft {s} site{}", if s == 1 { "" } else { "s" }),
+            r.report.tps,
+        ));
     }
     if let Some(p) = &pg {
         println!(
             "{:<22} {:>9.0} {:>9.2} {:>9} {:>11} {:>11} {:>7}  {} failed",
-            "pgbench (PostgreSQL)", p.tps, p.latency_avg_ms, "-", "-", "-", "-", p.failed_transactions.unwrap_or(0)
+            "pgbench (PostgreSQL)",
+            p.tps,
+            p.latency_avg_ms,
+            "-",
+            "-",
+            "-",
+            "-",
+            p.failed_transactions.unwrap_or(0)
         );
         report.insert("pgbench_tps".into(), json!(r2(p.tps)));
         report.insert("pgbench_latency_avg_ms".into(), json!(p.latency_avg_ms));
@@ -155,14 +197,33 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
     let mut met = serde_json::Map::new();
     if let Some(p) = &pg {
         if let Some(r) = runs.iter().find(|r| r.sites == 1) {
-            met.insert("sites_1".into(), json!(check("weft_tps_sites_1 / pgbench_tps", r.report.tps / p.tps, ">=", 2.0)));
+            met.insert(
+                "sites_1".into(),
+                json!(check(
+                    "weft_tps_sites_1 / pgbench_tps",
+                    r.report.tps / p.tps,
+                    ">=",
+                    2.0
+                )),
+            );
         }
         if let Some(r) = runs.iter().find(|r| r.sites == 3) {
-            met.insert("sites_3".into(), json!(check("weft_tps_sites_3 / pgbench_tps", r.report.tps / p.tps, ">=", 1.0)));
+            met.insert(
+                "sites_3".into(),
+                json!(check(
+                    "weft_tps_sites_3 / pgbench_tps",
+                    r.report.tps / p.tps,
+                    ">=",
+                    1.0
+                )),
+            );
         }
     }
     if let Some(r) = runs.iter().find(|r| r.sites == 1) {
-        println!("  (messages per single-site transaction: {:.1}; Raid V1 needed 168)", r.messages);
+        println!(
+            "  (messages per single-site transaction: {:.1}; Raid V1 needed 168)",
+            r.messages
+        );
     }
     report.insert("targets_met".into(), serde_json::Value::Object(met));
     report.insert("mode".into(), json!(args.mode.to_string()));
@@ -175,7 +236,10 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.plot {
         super::plot::bar_chart(
             path,
-            &format!("DebitCredit ({}) throughput, {} clients", args.mode, args.clients),
+            &format!(
+                "DebitCredit ({}) throughput, {} clients",
+                args.mode, args.clients
+            ),
             "committed transactions per second",
             &bars,
         )?;

@@ -9,6 +9,7 @@ pub mod debitcredit;
 pub mod log;
 pub mod plot;
 pub mod rpc;
+pub mod rpc_shm;
 
 use std::path::Path;
 use std::time::Duration;
@@ -30,6 +31,8 @@ pub enum BenchCmd {
     Commit(commit::CommitArgs),
     /// DebitCredit on Raid over weft at several site counts, against pgbench.
     Debitcredit(debitcredit::DebitCreditArgs),
+    /// Group send and reply collection against unicast calls.
+    Group(crate::group_cmd::BenchGroupArgs),
 }
 
 /// Runs a benchmark.
@@ -39,6 +42,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Log(a) => log::run(a).await,
         BenchCmd::Commit(a) => commit::run(a).await,
         BenchCmd::Debitcredit(a) => debitcredit::run(a).await,
+        BenchCmd::Group(a) => crate::group_cmd::run_bench(a).await,
     }
 }
 

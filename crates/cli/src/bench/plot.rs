@@ -28,7 +28,9 @@ fn ensure_font() -> anyhow::Result<()> {
                 if let Ok(bytes) = std::fs::read(p) {
                     // plotters keeps fonts for the life of the process.
                     let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-                    if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                    if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+                        .is_ok()
+                    {
                         return Ok(());
                     }
                 }
@@ -44,7 +46,12 @@ fn ensure_font() -> anyhow::Result<()> {
 
 /// Draws a bar chart: one bar per (label, value), titled, with the value
 /// written above each bar.
-pub fn bar_chart(path: &Path, title: &str, y_label: &str, bars: &[(String, f64)]) -> anyhow::Result<()> {
+pub fn bar_chart(
+    path: &Path,
+    title: &str,
+    y_label: &str,
+    bars: &[(String, f64)],
+) -> anyhow::Result<()> {
     ensure_font()?;
     let max = bars.iter().map(|(_, v)| *v).fold(0.0f64, f64::max).max(1.0) * 1.15;
     let root = BitMapBackend::new(path, (900, 520)).into_drawing_area();
@@ -68,12 +75,24 @@ pub fn bar_chart(path: &Path, title: &str, y_label: &str, bars: &[(String, f64)]
         .label_style(("sans-serif", 15))
         .draw()
         .context("drawing the axes")?;
-    let colors = [RGBColor(52, 101, 164), RGBColor(78, 154, 6), RGBColor(196, 160, 0), RGBColor(204, 0, 0)];
+    let colors = [
+        RGBColor(52, 101, 164),
+        RGBColor(78, 154, 6),
+        RGBColor(196, 160, 0),
+        RGBColor(204, 0, 0),
+    ];
     chart
         .draw_series(bars.iter().enumerate().map(|(i, (label, v))| {
-            let color = if label.starts_with("pgbench") { colors[3] } else { colors[i % 3] };
+            let color = if label.starts_with("pgbench") {
+                colors[3]
+            } else {
+                colors[i % 3]
+            };
             let mut bar = Rectangle::new(
-                [(SegmentValue::Exact(i), 0.0), (SegmentValue::Exact(i + 1), *v)],
+                [
+                    (SegmentValue::Exact(i), 0.0),
+                    (SegmentValue::Exact(i + 1), *v),
+                ],
                 color.filled(),
             );
             bar.set_margin(0, 0, 20, 20);
@@ -82,9 +101,14 @@ pub fn bar_chart(path: &Path, title: &str, y_label: &str, bars: &[(String, f64)]
         .context("drawing the bars")?;
     chart
         .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
-            Text::new(format!("{v:.0}"), (SegmentValue::CenterOf(i), *v + max * 0.02), ("sans-serif", 16))
+            Text::new(
+                format!("{v:.0}"),
+                (SegmentValue::CenterOf(i), *v + max * 0.02),
+                ("sans-serif", 16),
+            )
         }))
         .context("drawing the values")?;
-    root.present().with_context(|| format!("writing {}", path.display()))?;
+    root.present()
+        .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }

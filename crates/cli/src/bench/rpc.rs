@@ -4,7 +4,11 @@
 //! Baseline: two threads exchanging `--payload` bytes over a loopback TCP
 //! connection with blocking std sockets and TCP_NODELAY. Then weft: an echo
 //! call between two nodes of this process over TCP (no in-process shortcut),
-//! the same inside a transaction, and between two in-process nodes.
+//! the same inside a transaction, and between two in-process nodes. Then the
+//! same-host channel (see [`super::rpc_shm`]): a bare shared-memory spin
+//! ping-pong between two processes (the floor), weft RPC to a second `weft
+//! node` process over shm, its throughput with 64 calls in flight and the
+//! CPU an idle pair uses.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -28,10 +32,13 @@ pub struct RpcArgs {
     /// Payload bytes per call.
     #[arg(long, default_value_t = 64)]
     pub payload: usize,
+    /// Skip the shared-memory phase (e.g. where memfd is unavailable).
+    #[arg(long)]
+    pub no_shm: bool,
 }
 
 /// One measured configuration.
-struct Measured {
+pub(super) struct Measured {
     lat: Latency,
     per_s: f64,
 }
@@ -164,6 +171,15 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
     d.shutdown().await;
     c.shutdown().await;
 
+    let shm = if args.no_shm {
+        None
+    } else {
+        let pb = progress("shared memory: spin floor, then weft RPC to a second process");
+        let figures = super::rpc_shm::rpc_over_shm(calls, args.payload).await;
+        pb.finish_and_clear();
+        Some(figures?)
+    };
+
     let base = raw.lat.p50();
     println!(
         "weft bench rpc: {} calls of {} bytes each, p50/p99 in µs",
@@ -179,13 +195,17 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         ("weft rpc tcp + tx context", &rpc_tcp_tx),
         ("weft rpc inproc", &inproc),
     ] {
+        row(name, &m.lat, m.per_s, base);
+    }
+    if let Some(f) = &shm {
+        row("shm raw spin (floor)", &f.raw_spin, f.raw_spin_per_s, base);
+        row("weft rpc shm", &f.rpc, f.rpc_per_s, base);
         println!(
-            "{:<26} {:>9.1} {:>9.1} {:>11.0} {:>12.3}",
-            name,
-            m.lat.p50(),
-            m.lat.p99(),
-            m.per_s,
-            m.lat.p50() / base
+            "weft rpc shm, {} in flight: {:.0} calls/s; idle pair: {:.2}% of a core over {:?}",
+            super::rpc_shm::IN_FLIGHT,
+            f.rpc_pipelined_per_s,
+            f.idle_cpu_percent,
+            f.idle_window
         );
     }
     println!("targets:");
@@ -207,7 +227,19 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         "<=",
         0.1,
     );
-    let report = json!({
+    let shm_targets = shm.as_ref().map(|f| {
+        json!({
+            "rpc_shm_vs_tcp_raw": check("rpc_shm_p50 / tcp_raw_p50", f.rpc.p50() / base, "<=", 0.1),
+            "rpc_shm_vs_raw_spin": check(
+                "rpc_shm_p50 / shm_raw_spin_p50",
+                f.rpc.p50() / f.raw_spin.p50().max(0.01),
+                "<=",
+                10.0,
+            ),
+            "idle_cpu": check("idle pair CPU % of a core", f.idle_cpu_percent, "<=", 1.0),
+        })
+    });
+    let mut report = json!({
         "calls": calls,
         "payload_bytes": args.payload,
         "tcp_raw_p50_us": raw.lat.p50(),
@@ -227,8 +259,36 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         "ratio_rpc_inproc_to_raw": r2(inproc.lat.p50() / base),
         "targets_met": { "rpc_tcp": t1, "rpc_tcp_tx": t2, "rpc_inproc": t3 },
     });
+    if let Some(f) = &shm {
+        let extra = json!({
+            "shm_raw_spin_p50_us": f.raw_spin.p50(),
+            "shm_raw_spin_p99_us": f.raw_spin.p99(),
+            "rpc_shm_p50_us": f.rpc.p50(),
+            "rpc_shm_p99_us": f.rpc.p99(),
+            "rpc_shm_calls_per_s": r2(f.rpc_per_s),
+            "rpc_shm_calls_per_s_64_in_flight": r2(f.rpc_pipelined_per_s),
+            "idle_pair_cpu_percent": r2(f.idle_cpu_percent),
+            "ratio_rpc_shm_to_tcp_raw": r2(f.rpc.p50() / base),
+            "ratio_rpc_shm_to_raw_spin": r2(f.rpc.p50() / f.raw_spin.p50().max(0.01)),
+            "shm_targets_met": shm_targets,
+        });
+        if let (Some(obj), serde_json::Value::Object(more)) = (report.as_object_mut(), extra) {
+            obj.extend(more);
+        }
+    }
     if let Some(path) = &args.json {
         write_json(path, &report)?;
     }
     Ok(())
+}
+
+fn row(name: &str, lat: &Latency, per_s: f64, base: f64) {
+    println!(
+        "{:<26} {:>9.2} {:>9.2} {:>11.0} {:>12.3}",
+        name,
+        lat.p50(),
+        lat.p99(),
+        per_s,
+        lat.p50() / base
+    );
 }

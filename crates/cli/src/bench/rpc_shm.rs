@@ -1,0 +1,164 @@
+//! The shared-memory half of `weft bench rpc`: the physical floor (a bare
+//! spin ping-pong between two processes), weft RPC to a second `weft node`
+//! process on this host over the shm channel (latency, and throughput with
+//! 64 calls in flight), and the CPU an idle pair of nodes uses.
+
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use weft::{Address, ChannelKind, Node, NodeId, Payload};
+use weft_transport::shm::{bench as shm_bench, wait_for_channel};
+use weft_transport::BusyPoll;
+
+use super::Latency;
+use crate::child::ChildNode;
+
+/// Calls kept in flight for the throughput figure.
+pub const IN_FLIGHT: usize = 64;
+
+/// What the shm phase measured.
+pub struct ShmFigures {
+    /// Bare spin ping-pong round trips between two processes.
+    pub raw_spin: Latency,
+    /// Its round trips per second.
+    pub raw_spin_per_s: f64,
+    /// One weft echo call at a time over shm.
+    pub rpc: Latency,
+    /// Its calls per second.
+    pub rpc_per_s: f64,
+    /// Calls per second with [`IN_FLIGHT`] in flight.
+    pub rpc_pipelined_per_s: f64,
+    /// CPU both idle processes used over the idle window, in percent of one
+    /// core.
+    pub idle_cpu_percent: f64,
+    /// The idle window.
+    pub idle_window: Duration,
+}
+
+/// The bare shared-memory ping-pong with a helper process: `rounds`
+/// measured round trips.
+///
+/// Fails when the helper process cannot be started or stops answering.
+pub async fn raw_spin(rounds: usize) -> anyhow::Result<(Latency, f64)> {
+    let trips = tokio::task::spawn_blocking(move || -> std::io::Result<_> {
+        let peer = shm_bench::PeerCommand::current_exe()?;
+        shm_bench::raw_spin_pingpong(&peer, rounds)
+    })
+    .await??;
+    let mut lat = Latency::default();
+    for s in &trips.samples {
+        lat.record(*s);
+    }
+    Ok((lat, trips.per_second()))
+}
+
+/// Starts node 1 here and node 2 as a `weft node` child process, waits until
+/// they talk over shm, then measures echo calls from 1 to 2, the pipelined
+/// throughput and the idle CPU of both processes.
+///
+/// Fails when the child does not start, the link never becomes shm (shm
+/// disabled or unavailable on this host), or a call fails.
+pub async fn rpc_over_shm(calls: usize, payload: usize) -> anyhow::Result<ShmFigures> {
+    let (raw_spin, raw_spin_per_s) = raw_spin(calls).await?;
+    let a = Node::builder(1)
+        .listen("127.0.0.1:0".parse()?)
+        .checkpoint_every(None)
+        .start()
+        .await?;
+    let addr = a.addr().expect("listening").to_string();
+    let child = ChildNode::start(
+        "the benchmark's second node",
+        &[
+            "node".into(),
+            "--id".into(),
+            "2".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--join".into(),
+            addr,
+        ],
+    )?;
+    let measured = measure(&a, &child, calls, payload).await;
+    child.terminate(Duration::from_secs(5));
+    a.shutdown().await;
+    let (rpc, rpc_per_s, rpc_pipelined_per_s, idle_cpu_percent, idle_window) = measured?;
+    Ok(ShmFigures {
+        raw_spin,
+        raw_spin_per_s,
+        rpc,
+        rpc_per_s,
+        rpc_pipelined_per_s,
+        idle_cpu_percent,
+        idle_window,
+    })
+}
+
+async fn measure(
+    a: &Node,
+    child: &ChildNode,
+    calls: usize,
+    payload: usize,
+) -> anyhow::Result<(Latency, f64, f64, f64, Duration)> {
+    wait_for_channel(
+        a.endpoint(),
+        NodeId(2),
+        ChannelKind::Shm,
+        Duration::from_secs(10),
+    )
+    .await?;
+    let node = a.clone();
+    let (lat, per_s, pipelined) = tokio::task::spawn_blocking(move || {
+        let echo: Address = "echo@2".parse().expect("valid address");
+        let body = vec![7u8; payload];
+        // The caller's thread drains the rings itself while it waits, so a
+        // response needs no kernel wake-up.
+        let mut bp = BusyPoll::new();
+        let mut lat = Latency::default();
+        let warm = calls / 10;
+        let mut started = Instant::now();
+        for i in 0..warm + calls {
+            if i == warm {
+                started = Instant::now();
+            }
+            let p = Payload::bytes(body.clone());
+            let t = Instant::now();
+            bp.block_on(node.rpc().call_payload(None, &echo, p, None))?;
+            if i >= warm {
+                lat.record(t.elapsed());
+            }
+        }
+        let per_s = calls as f64 / started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        let pipelined: Result<usize, weft::Failure> = bp.block_on(async {
+            let mut pending = FuturesUnordered::new();
+            let mut issued = 0;
+            let mut done = 0;
+            while done < calls {
+                while issued < calls && pending.len() < IN_FLIGHT {
+                    let p = Payload::bytes(body.clone());
+                    let rpc = node.rpc().clone();
+                    let echo = echo.clone();
+                    pending.push(async move { rpc.call_payload(None, &echo, p, None).await });
+                    issued += 1;
+                }
+                match pending.next().await {
+                    Some(r) => {
+                        r?;
+                        done += 1;
+                    }
+                    None => break,
+                }
+            }
+            Ok(done)
+        });
+        let pipelined = pipelined? as f64 / started.elapsed().as_secs_f64();
+        Ok::<_, weft::Failure>((lat, per_s, pipelined))
+    })
+    .await??;
+    // Idle: let the spinning readers settle, then count both processes' CPU.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let window = Duration::from_secs(2);
+    let pids = [std::process::id(), child.id()];
+    let cpu = tokio::task::spawn_blocking(move || shm_bench::cpu_percent(&pids, window)).await??;
+    Ok((lat, per_s, pipelined, cpu, window))
+}
