@@ -328,6 +328,10 @@ impl Resource for Participant {
         SERVICE
     }
 
+    fn commits_from_this_log(&self) -> bool {
+        true // the store is rebuilt from snapshots and this node's log
+    }
+
     fn class(&self) -> ParticipationClass {
         ParticipationClass::TwoPhase
     }
@@ -489,10 +493,21 @@ impl Plugin for Kv {
             .ok_or_else(|| plugin_failure("not attached"))?;
         // The image and its log position are taken together under the store
         // lock: every record before `at` is reflected in the image.
-        let (at, image, oldest) = {
+        let (at, last, image, oldest) = {
             let store = self.inner.store.read();
-            (log.end_lsn(), store.image(), store.oldest_prepared())
+            (
+                log.end_lsn(),
+                log.last_lsn(),
+                store.image(),
+                store.oldest_prepared(),
+            )
         };
+        // The image may hold commits whose records are not durable yet
+        // (early lock release applies them once appended): the snapshot
+        // must not outlive them, so they are forced first.
+        if last > log.durable_lsn() {
+            log.force_blocking(last).map_err(plugin_failure)?;
+        }
         snapshot::write(&dir, at.get(), &image).map_err(plugin_failure)?;
         // Keep the records of prepared branches: the transaction manager's
         // outcome records for them follow their prepare records.

@@ -99,6 +99,10 @@ impl Resource for SiteParticipant {
         "raid"
     }
 
+    fn commits_from_this_log(&self) -> bool {
+        true // KV state from this node's log; locks are volatile
+    }
+
     fn class(&self) -> ParticipationClass {
         ParticipationClass::TwoPhase
     }

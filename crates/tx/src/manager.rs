@@ -73,6 +73,13 @@ pub struct TmConfig {
     /// How long an incoming call waits for the coordinator to adopt this
     /// node when a client (not a member) brought the transaction here.
     pub enlist_timeout: Duration,
+    /// Early lock release: a coordinator's own resources that commit from
+    /// this node's log (see `Resource::commits_from_this_log`) commit, and
+    /// free their locks, as soon as its commit record is appended, not once
+    /// it is durable; commits are still reported only after the force, and
+    /// read-only outcomes wait for the early-released records they may
+    /// depend on. On by default.
+    pub early_lock_release: bool,
     /// Test hook: stop transactions at this point and call the hook.
     pub crash_at: Option<(CrashPoint, CrashHook)>,
 }
@@ -85,6 +92,7 @@ impl std::fmt::Debug for TmConfig {
             .field("tick", &self.tick)
             .field("tombstones", &self.tombstones)
             .field("enlist_timeout", &self.enlist_timeout)
+            .field("early_lock_release", &self.early_lock_release)
             .field("crash_at", &self.crash_at.as_ref().map(|(p, _)| p))
             .finish()
     }
@@ -98,6 +106,7 @@ impl Default for TmConfig {
             tick: Duration::from_millis(20),
             tombstones: 100_000,
             enlist_timeout: Duration::from_secs(2),
+            early_lock_release: true,
             crash_at: None,
         }
     }
@@ -194,6 +203,10 @@ struct SlotState {
     baggage: Baggage,
     intent: Option<ForceIntent>,
     wrote_durable: bool,
+    /// The coordinator's own resources committed as soon as the commit
+    /// record was appended (early lock release): CommitLocal has nothing
+    /// left to do.
+    committed_early: bool,
     /// The first TM record of this transaction in the log: the log must be
     /// kept from here until the transaction is forgotten.
     first_lsn: Option<weft_log::Lsn>,
@@ -238,6 +251,12 @@ struct TmInner {
     enlists: Mutex<HashMap<u64, oneshot::Sender<bool>>>,
     enlist_ids: AtomicU64,
     counters: Counters,
+    /// Highest commit record whose transaction released its locks before
+    /// the record was durable (early lock release). Anything that reports a
+    /// commit without forcing a record of its own (a read-only finish, a
+    /// read-only or volatile Yes vote) waits until the log is durable up to
+    /// here: it may have read what that transaction wrote.
+    early_released: AtomicU64,
 }
 
 /// The transaction manager of one node. Cheap to clone.
@@ -325,6 +344,7 @@ impl TxManager {
             enlists: Mutex::new(HashMap::new()),
             enlist_ids: AtomicU64::new(1),
             counters: Counters::default(),
+            early_released: AtomicU64::new(0),
             cfg,
         });
         endpoint.set_port_handler(Port::TX, Arc::new(TxPort(Arc::downgrade(&inner))));
@@ -803,6 +823,7 @@ impl TmInner {
                 baggage: Baggage::default(),
                 intent: None,
                 wrote_durable: false,
+                committed_early: false,
                 first_lsn: None,
             }),
             calls_done: Notify::new(),
@@ -887,6 +908,15 @@ impl TmInner {
                 }
             }
             Action::Send(to, msg) => {
+                if matches!(
+                    msg,
+                    TxMsg::Vote {
+                        vote: Vote::ReadOnly | Vote::Yes { durable: false },
+                        ..
+                    }
+                ) {
+                    self.await_early_released(tid).await;
+                }
                 self.counters.messages.fetch_add(1, Ordering::Relaxed);
                 if let Err(f) = self.endpoint.send(to, Port::TX, Payload::local(msg)) {
                     tracing::debug!(%tid, peer = %to, %f, "protocol message not sent");
@@ -905,13 +935,8 @@ impl TmInner {
                 // Applied before the next action: the creator's commit
                 // returns (Finished) only once this node's resources hold
                 // the outcome.
-                for (r, class) in resources_of(slot) {
-                    match class {
-                        ParticipationClass::TwoPhase => r.commit(tid).await,
-                        ParticipationClass::OnePhase => r.ended(tid, Outcome::Committed).await,
-                        ParticipationClass::NoState => {}
-                    }
-                }
+                let early = slot.state.lock().committed_early;
+                commit_resources(slot, |r| !(early && r.commits_from_this_log())).await;
             }
             Action::AbortLocal => {
                 slot.state.lock().outcome = Some(Outcome::Aborted);
@@ -924,6 +949,11 @@ impl TmInner {
                 }
             }
             Action::Finished(outcome) => {
+                if outcome == Outcome::Committed && !slot.state.lock().wrote_durable {
+                    // A read-only commit may have read an early-released
+                    // transaction's writes: report it only once they last.
+                    self.await_early_released(tid).await;
+                }
                 let (waiters, durable) = {
                     let mut st = slot.state.lock();
                     st.outcome = Some(outcome);
@@ -962,6 +992,18 @@ impl TmInner {
                 self.txs.lock().remove(&tid);
                 self.tombstones.lock().insert(tid, outcome);
                 slot.calls_done.notify_waiters();
+            }
+        }
+    }
+
+    /// Waits until every early-released commit record appended so far is
+    /// durable (at once when none is pending). A log failure is reported by
+    /// the forces themselves; here it only ends the wait.
+    async fn await_early_released(&self, tid: Tid) {
+        let lsn = self.early_released.load(Ordering::Acquire);
+        if lsn > self.log.durable_lsn().get() {
+            if let Err(e) = self.log.when_durable(weft_log::Lsn(lsn)).await {
+                tracing::warn!(%tid, "waiting for early-released commits: {e}");
             }
         }
     }
@@ -1005,13 +1047,25 @@ impl TmInner {
                     st.intent.take()
                 };
                 let coordinator = matches!(record, TmRecord::Committed { .. });
+                // Early lock release: once its commit record is in the log
+                // the coordinator's own resources commit (and release their
+                // locks) while the record is forced. Nobody can act on what
+                // they wrote before it is durable: later writers' records
+                // follow it in the log, and read-only reporters wait for
+                // `early_released` (see `await_early_released`).
+                let (applied_tx, applied_rx) = oneshot::channel::<()>();
+                let early = coordinator && self.cfg.early_lock_release;
                 let me = Arc::clone(self);
-                let slot = Arc::clone(slot);
+                let forced_slot = Arc::clone(slot);
                 tokio::spawn(async move {
+                    let slot = forced_slot;
                     let forced = match intent {
                         Some(i) => i.force(lsn).await,
                         None => me.log.force(lsn).await,
                     };
+                    // The outcome moves on only after the early commit
+                    // finished (or was not attempted).
+                    let _ = applied_rx.await;
                     match forced {
                         Ok(()) => {
                             let point = if coordinator {
@@ -1028,6 +1082,12 @@ impl TmInner {
                         }
                     }
                 });
+                if early {
+                    self.early_released.fetch_max(lsn.get(), Ordering::AcqRel);
+                    slot.state.lock().committed_early = true;
+                    commit_resources(slot, |r| r.commits_from_this_log()).await;
+                }
+                drop(applied_tx);
             }
             Durability::Lazy => {
                 let me = Arc::clone(self);
@@ -1354,6 +1414,22 @@ impl TmInner {
                 return;
             }
             inner.tick_all().await;
+        }
+    }
+}
+
+/// Commits the resources enlisted at this node that `which` selects
+/// (resources of the one-phase class hear that the transaction ended
+/// committed).
+async fn commit_resources(slot: &Slot, which: impl Fn(&dyn Resource) -> bool) {
+    for (r, class) in resources_of(slot) {
+        if !which(r.as_ref()) {
+            continue;
+        }
+        match class {
+            ParticipationClass::TwoPhase => r.commit(slot.tid).await,
+            ParticipationClass::OnePhase => r.ended(slot.tid, Outcome::Committed).await,
+            ParticipationClass::NoState => {}
         }
     }
 }

@@ -46,6 +46,17 @@ pub trait Resource: Send + Sync + 'static {
     /// The resource's participation class.
     fn class(&self) -> ParticipationClass;
 
+    /// True when what this resource does at commit lives only in this
+    /// process until this node's log is durable (its committed state is
+    /// rebuilt from this node's log alone, like the KV store's). The
+    /// transaction manager may then commit it, releasing its locks, as soon
+    /// as the commit record is appended (early lock release). False, the
+    /// default, for resources that make a commit durable elsewhere (a
+    /// database's COMMIT PREPARED): they commit only after the force.
+    fn commits_from_this_log(&self) -> bool {
+        false
+    }
+
     /// Phase one (two-phase class): make the branch of `tid` ready to commit.
     /// Append whatever redo information recovery will need to `log` (do not
     /// force: the transaction manager forces its prepare record, which covers

@@ -286,8 +286,12 @@ impl NodeBuilder {
                         return;
                     }
                     let node = Node { inner };
-                    if let Err(e) = node.checkpoint() {
-                        tracing::warn!("checkpoint failed: {e}");
+                    // A checkpoint may wait for the log's disk: off the
+                    // async workers.
+                    match tokio::task::spawn_blocking(move || node.checkpoint()).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => tracing::warn!("checkpoint failed: {e}"),
+                        Err(e) => tracing::warn!("checkpoint task failed: {e}"),
                     }
                 }
             });
@@ -454,6 +458,8 @@ impl Node {
     /// Takes a checkpoint: every plugin snapshots its state, and the log is
     /// truncated below what the transaction manager and the plugins still
     /// need. Returns the new start of the log.
+    ///
+    /// May wait for the log's disk: call it where blocking is allowed.
     ///
     /// Fails when a plugin cannot checkpoint or the log cannot be truncated.
     pub fn checkpoint(&self) -> Result<weft_log::Lsn, Failure> {

@@ -450,3 +450,72 @@ async fn commit_returns_only_once_the_coordinators_resources_applied_it() {
         "a transaction begun after commit returns must see the commit applied here"
     );
 }
+
+/// Starts one node with a KV store whose transaction manager stops every
+/// coordinator right after its commit record is durable, before it reports
+/// the outcome (as if it froze there).
+async fn frozen_after_commit_force(early_lock_release: bool) -> weft::Node {
+    let hook: weft_tx::CrashHook = Arc::new(|_, _| {});
+    let cfg = weft::TmConfig {
+        early_lock_release,
+        crash_at: Some((weft_tx::CrashPoint::CoordinatorAfterCommitForce, hook)),
+        ..weft::TmConfig::default()
+    };
+    let kv = Kv::new(KvConfig {
+        lock_wait: Duration::from_millis(200),
+        ..KvConfig::default()
+    });
+    weft::Node::builder(1)
+        .tm_config(cfg)
+        .plugin(Arc::new(kv))
+        .checkpoint_every(None)
+        .start()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_lock_release_frees_a_coordinators_locks_once_the_commit_record_is_logged() {
+    let node = frozen_after_commit_force(true).await;
+    let t1 = node.begin();
+    kv(&t1, 1, vec![Op::Put(b("k"), b("1"))]).await.unwrap();
+    let tid = t1.tid();
+    let commit = tokio::spawn(async move { t1.commit().await });
+    // T1's record is logged and forced, and T1 never reports: its lock on
+    // k is nevertheless free and its write is visible.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let seen = loop {
+        let t2 = node.begin();
+        match get(&t2, 1, "k").await {
+            Ok(v) => {
+                let _ = t2.abort("probe").await;
+                if v.is_some() {
+                    break v;
+                }
+            }
+            Err(f) => {
+                let _ = t2.abort("probe").await;
+                assert_eq!(f.status, Status::LockConflict, "{f}");
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "k stayed locked");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(seen, Some(b("1")));
+    assert!(!commit.is_finished(), "{tid} must not have reported");
+    commit.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_early_lock_release_the_locks_wait_for_the_outcome() {
+    let node = frozen_after_commit_force(false).await;
+    let t1 = node.begin();
+    kv(&t1, 1, vec![Op::Put(b("k"), b("1"))]).await.unwrap();
+    let commit = tokio::spawn(async move { t1.commit().await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t2 = node.begin();
+    let err = get(&t2, 1, "k").await.unwrap_err();
+    assert_eq!(err.status, Status::LockConflict, "{err}");
+    let _ = t2.abort("done").await;
+    commit.abort();
+}
