@@ -149,6 +149,21 @@ impl Link {
         }
     }
 
+    /// Refuses the link (TimedOut, the peer is told) if its handshake has
+    /// not completed within `timeout`: an accepted connection that never
+    /// says Hello must not hold a socket and a task forever.
+    pub(crate) async fn handshake_deadline(self: Arc<Self>, timeout: std::time::Duration) {
+        let mut rx = self.phase.subscribe();
+        let waited =
+            tokio::time::timeout(timeout, rx.wait_for(|p| !matches!(p, Phase::Handshaking))).await;
+        if waited.is_err() {
+            self.refuse(
+                Status::TimedOut,
+                &format!("handshake not completed within {timeout:?}"),
+            );
+        }
+    }
+
     /// The channel kind.
     pub(crate) fn kind(&self) -> ChannelKind {
         self.kind

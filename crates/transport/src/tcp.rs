@@ -309,8 +309,9 @@ pub(crate) async fn listen(ep: &Arc<Inner>, addr: SocketAddr) -> io::Result<Sock
             if ep.is_crashed() || ep.is_closing() {
                 return;
             }
-            if let Err(e) = attach(&ep, stream, Side::Acceptor, None) {
-                tracing::warn!("cannot set up an accepted connection: {e}");
+            match attach(&ep, stream, Side::Acceptor, None) {
+                Ok(link) => ep.spawn(link.handshake_deadline(ep.cfg.connect_timeout)),
+                Err(e) => tracing::warn!("cannot set up an accepted connection: {e}"),
             }
         }
     });

@@ -444,6 +444,18 @@ async fn malformed_frames_get_errors_and_the_node_keeps_serving() {
     let a = start(tcp_cfg(1, b"k")).await;
     let addr = a.listen_addr().unwrap();
 
+    // A connection that never says Hello is refused after the handshake
+    // bound (1 s here), not held forever.
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let started = Instant::now();
+    match tokio::time::timeout(Duration::from_secs(10), read_frame(&mut silent)).await {
+        Ok(Some(Frame::Refused(r))) => {
+            assert_eq!(r.status, Status::TimedOut, "{}", r.reason);
+            assert!(started.elapsed() >= Duration::from_millis(900));
+        }
+        other => panic!("expected Refused(TimedOut), got {other:?}"),
+    }
+
     // Not weft at all.
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     sock.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
