@@ -257,6 +257,9 @@ struct TmInner {
     /// read-only or volatile Yes vote) waits until the log is durable up to
     /// here: it may have read what that transaction wrote.
     early_released: AtomicU64,
+    /// Wakes the timer when a transaction appears (it sleeps while none is
+    /// live, so an idle node does not tick).
+    work: Arc<Notify>,
 }
 
 /// The transaction manager of one node. Cheap to clone.
@@ -345,6 +348,7 @@ impl TxManager {
             enlist_ids: AtomicU64::new(1),
             counters: Counters::default(),
             early_released: AtomicU64::new(0),
+            work: Arc::new(Notify::new()),
             cfg,
         });
         endpoint.set_port_handler(Port::TX, Arc::new(TxPort(Arc::downgrade(&inner))));
@@ -359,7 +363,10 @@ impl TxManager {
                 tokio::spawn(async move { inner.peer_dead(node) });
             }
         });
-        tokio::spawn(TmInner::timer_task(Arc::downgrade(&inner)));
+        tokio::spawn(TmInner::timer_task(
+            Arc::downgrade(&inner),
+            Arc::clone(&inner.work),
+        ));
         TxManager { inner }
     }
 
@@ -833,15 +840,19 @@ impl TmInner {
     fn insert_slot(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
         let slot = TmInner::new_slot(tid, core);
         self.txs.lock().insert(tid, slot.clone());
+        self.work.notify_one();
         slot
     }
 
     fn insert_slot_if_absent(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
-        self.txs
+        let slot = self
+            .txs
             .lock()
             .entry(tid)
             .or_insert_with(|| TmInner::new_slot(tid, core))
-            .clone()
+            .clone();
+        self.work.notify_one();
+        slot
     }
 
     fn describe(&self, slot: &Slot) -> TxStatus {
@@ -1400,7 +1411,10 @@ impl TmInner {
         }
     }
 
-    async fn timer_task(weak: Weak<TmInner>) {
+    /// Ticks every live transaction each `cfg.tick`; while none is live it
+    /// sleeps until one appears (checking now and then that the manager
+    /// still exists), so an idle node costs no wake-ups here.
+    async fn timer_task(weak: Weak<TmInner>, work: Arc<Notify>) {
         let period = match weak.upgrade() {
             Some(i) => i.cfg.tick,
             None => return,
@@ -1409,11 +1423,20 @@ impl TmInner {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
-            let Some(inner) = weak.upgrade() else { return };
-            if inner.endpoint.is_crashed() {
-                return;
+            let idle = {
+                let Some(inner) = weak.upgrade() else { return };
+                if inner.endpoint.is_crashed() {
+                    return;
+                }
+                inner.tick_all().await;
+                let empty = inner.txs.lock().is_empty();
+                empty
+            };
+            if idle {
+                // No strong reference is held while asleep.
+                let _ = tokio::time::timeout(Duration::from_secs(5), work.notified()).await;
+                ticker.reset();
             }
-            inner.tick_all().await;
         }
     }
 }
