@@ -16,7 +16,7 @@ use weft_raid::{
     run_closed, AdRequest, Audit, LoadReply, LoadRequest, Mode, RaidSite, RunReport, SiteAudit,
     SiteConfig, Workload, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE,
 };
-use weft_wire::{Address, Failure, NodeId, ServiceName};
+use weft_wire::{Address, Failure, Incarnation, NodeId, ServiceName, Status};
 
 use crate::client::{parse_duration, Client, ClientOpts};
 use crate::node_cmd::{announce, wait_for_signal, NodeArgs};
@@ -84,22 +84,43 @@ fn service(name: &str, node: NodeId) -> Address {
     }
 }
 
-/// The Raid sites a node knows (id and address), from its status.
-async fn sites(client: &Client) -> anyhow::Result<Vec<(NodeId, String)>> {
+/// A Raid site as the gateway node sees it.
+struct SiteInfo {
+    id: NodeId,
+    addr: String,
+    /// Why the gateway holds it dead (HostDead, ProcDead), when it does.
+    down: Option<Status>,
+}
+
+/// The Raid sites a node knows, dead ones included, from its status.
+async fn site_infos(client: &Client) -> anyhow::Result<Vec<SiteInfo>> {
     let report: StatusReport = client.call_here(STATUS_SERVICE, ()).await?;
-    let mut v: Vec<(NodeId, String)> = report
+    let mut v: Vec<SiteInfo> = report
         .view
         .nodes
         .iter()
         .filter(|n| n.info.services.iter().any(|s| s == weft_raid::SITE_SERVICE))
-        .map(|n| (n.info.id, n.info.addr.clone().unwrap_or_default()))
+        .map(|n| SiteInfo {
+            id: n.info.id,
+            addr: n.info.addr.clone().unwrap_or_default(),
+            down: (!n.alive).then(|| n.cause.unwrap_or(Status::HostDead)),
+        })
         .collect();
-    v.sort();
+    v.sort_by_key(|s| s.id);
     anyhow::ensure!(
         !v.is_empty(),
         "no Raid site in the cluster (start them with `weft raid site`)"
     );
     Ok(v)
+}
+
+/// The Raid sites a node knows (id and address), from its status.
+async fn sites(client: &Client) -> anyhow::Result<Vec<(NodeId, String)>> {
+    Ok(site_infos(client)
+        .await?
+        .into_iter()
+        .map(|s| (s.id, s.addr))
+        .collect())
 }
 
 /// Audits every site through `client`.
@@ -125,24 +146,66 @@ pub async fn load_cluster(client: &Client, mode: Mode, scale: u32) -> anyhow::Re
     Ok(tuples)
 }
 
-/// Messages and forces of every site, from their status reports.
-pub async fn cluster_counters(opts: &ClientOpts) -> anyhow::Result<(u64, u64)> {
+/// Messages and forces of one site incarnation.
+pub type SiteCounters = BTreeMap<(NodeId, Incarnation), (u64, u64)>;
+
+/// Messages and forces of every site that is up, by site incarnation, from
+/// their status reports. A site that is down or unreachable is left out
+/// (with a note on stderr): a run against a cluster missing a site must
+/// still report.
+pub async fn site_counters(opts: &ClientOpts) -> anyhow::Result<SiteCounters> {
     let gateway = Client::connect(opts).await?;
-    let mut msgs = 0;
-    let mut forces = 0;
-    for (_, addr) in sites(&gateway).await? {
-        let c = Client::connect(&ClientOpts {
-            node: addr,
+    let list = site_infos(&gateway).await;
+    gateway.close().await;
+    let mut out = SiteCounters::new();
+    for s in list? {
+        if let Some(cause) = s.down {
+            eprintln!("weft: site {} is down ({cause}), not counted", s.id);
+            continue;
+        }
+        let c = match Client::connect(&ClientOpts {
+            node: s.addr.clone(),
             ..opts.clone()
         })
-        .await?;
-        let r: StatusReport = c.call_here(STATUS_SERVICE, ()).await?;
-        msgs += r.transport.work_messages();
-        forces += r.log.syncs;
+        .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("weft: site {} not counted: {e:#}", s.id);
+                continue;
+            }
+        };
+        let r: Result<StatusReport, Failure> = c.call_here(STATUS_SERVICE, ()).await;
         c.close().await;
+        match r {
+            Ok(r) => {
+                out.insert(
+                    (r.node, r.incarnation),
+                    (r.transport.work_messages(), r.log.syncs),
+                );
+            }
+            Err(f) => eprintln!("weft: site {} not counted: {f}", s.id),
+        }
     }
-    gateway.close().await;
-    Ok((msgs, forces))
+    Ok(out)
+}
+
+/// Messages and forces between two snapshots, over the site incarnations
+/// present in both.
+pub fn counters_delta(before: &SiteCounters, after: &SiteCounters) -> (u64, u64) {
+    after
+        .iter()
+        .filter_map(|(k, (m1, f1))| {
+            let (m0, f0) = before.get(k)?;
+            Some((m1.saturating_sub(*m0), f1.saturating_sub(*f0)))
+        })
+        .fold((0, 0), |(m, f), (dm, df)| (m + dm, f + df))
+}
+
+/// Messages and forces of every site that is up, from their status reports.
+pub async fn cluster_counters(opts: &ClientOpts) -> anyhow::Result<(u64, u64)> {
+    let c = site_counters(opts).await?;
+    Ok(c.values().fold((0, 0), |(m, f), (dm, df)| (m + dm, f + df)))
 }
 
 /// Runs DebitCredit clients against a multi-process cluster: each client
@@ -157,19 +220,30 @@ pub async fn run_remote(
     progress: Arc<AtomicU64>,
 ) -> anyhow::Result<RunReport> {
     let gateway = Client::connect(opts).await?;
-    let list = sites(&gateway).await?;
+    let list = site_infos(&gateway).await;
     gateway.close().await;
     let mut runners = Vec::new();
-    for (id, addr) in list {
-        let c = Arc::new(
-            Client::connect(&ClientOpts {
-                node: addr.clone(),
-                ..opts.clone()
-            })
-            .await
-            .with_context(|| format!("connecting to site {id} at {addr}"))?,
-        );
-        let ad = service(AD_SERVICE, id);
+    for s in list? {
+        // A site that is down runs no clients; the others' transactions
+        // still need its copy and end with its status (HostDead, ProcDead).
+        if let Some(cause) = s.down {
+            eprintln!("weft: site {} is down ({cause}), no clients there", s.id);
+            continue;
+        }
+        let c = match Client::connect(&ClientOpts {
+            node: s.addr.clone(),
+            ..opts.clone()
+        })
+        .await
+        .with_context(|| format!("connecting to site {} at {}", s.id, s.addr))
+        {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                eprintln!("weft: no clients at site {}: {e:#}", s.id);
+                continue;
+            }
+        };
+        let ad = service(AD_SERVICE, s.id);
         runners.push(move |req: AdRequest| {
             let c = c.clone();
             let ad = ad.clone();
@@ -179,6 +253,7 @@ pub async fn run_remote(
             }
         });
     }
+    anyhow::ensure!(!runners.is_empty(), "no Raid site is up");
     let workload = Workload {
         mode,
         sizes: Workload::sizes(mode, scale),
@@ -304,7 +379,7 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             seed,
             json,
         } => {
-            let (m0, f0) = cluster_counters(&client).await?;
+            let before = site_counters(&client).await?;
             let progress = Arc::new(AtomicU64::new(0));
             let bar = crate::bench::progress("running");
             let p2 = progress.clone();
@@ -321,7 +396,8 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             });
             let r = run_remote(&client, mode, scale, clients, duration, seed, progress).await?;
             ticker.abort();
-            let (m1, f1) = cluster_counters(&client).await?;
+            let after = site_counters(&client).await?;
+            let (msgs, forces) = counters_delta(&before, &after);
             let per = |x: u64| {
                 if r.committed == 0 {
                     0.0
@@ -331,14 +407,14 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             };
             if json {
                 let mut v = serde_json::to_value(&r)?;
-                v["messages_per_txn"] = serde_json::json!(per(m1 - m0));
-                v["forces_per_txn"] = serde_json::json!(per(f1 - f0));
+                v["messages_per_txn"] = serde_json::json!(per(msgs));
+                v["forces_per_txn"] = serde_json::json!(per(forces));
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 let c = Client::connect(&client).await?;
                 let n = sites(&c).await?.len();
                 c.close().await;
-                print_results(&r, n, Some(per(m1 - m0)), Some(per(f1 - f0)));
+                print_results(&r, n, Some(per(msgs)), Some(per(forces)));
             }
             Ok(())
         }
