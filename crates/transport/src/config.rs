@@ -64,6 +64,10 @@ pub struct TransportConfig {
     pub dead_after: Duration,
     /// How long a link may take to connect and authenticate.
     pub connect_timeout: Duration,
+    /// How long an accepted connection may take to complete the handshake
+    /// before it is refused with TimedOut (generous: a busy peer is not a
+    /// silent one).
+    pub handshake_timeout: Duration,
     /// First and largest delay between reconnection attempts.
     pub reconnect_backoff: (Duration, Duration),
     /// Frames queued for a peer while its link is being established; more
@@ -92,6 +96,7 @@ impl TransportConfig {
             heartbeat_interval: Duration::from_millis(200),
             dead_after: Duration::from_millis(2000),
             connect_timeout: Duration::from_millis(2000),
+            handshake_timeout: Duration::from_secs(10),
             reconnect_backoff: (Duration::from_millis(20), Duration::from_millis(1000)),
             max_queued_frames: 4096,
             host_id: crate::host::host_id(),

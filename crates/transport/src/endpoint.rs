@@ -992,7 +992,8 @@ impl Inner {
                 | Status::Mismatch
                 | Status::Refused
                 | Status::TooLarge
-        ) {
+        ) || (cause == Status::TimedOut && peer.is_none())
+        {
             let mut log = self.refusals.lock();
             if log.len() == MAX_REFUSALS {
                 log.pop_front();

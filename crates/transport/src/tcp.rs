@@ -310,7 +310,7 @@ pub(crate) async fn listen(ep: &Arc<Inner>, addr: SocketAddr) -> io::Result<Sock
                 return;
             }
             match attach(&ep, stream, Side::Acceptor, None) {
-                Ok(link) => ep.spawn(link.handshake_deadline(ep.cfg.connect_timeout)),
+                Ok(link) => ep.spawn(link.handshake_deadline(ep.cfg.handshake_timeout)),
                 Err(e) => tracing::warn!("cannot set up an accepted connection: {e}"),
             }
         }
