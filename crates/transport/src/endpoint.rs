@@ -1021,6 +1021,9 @@ impl Inner {
                         && entry.dead.is_none()
                         && matches!(link.kind(), ChannelKind::Tcp | ChannelKind::Shm)
                         && !self.is_closing()
+                        // A client has no route to reconnect by: its calls
+                        // end with ProcDead (gateway link closed).
+                        && self.cfg.role == PeerRole::Node
                 }
                 None => false,
             }

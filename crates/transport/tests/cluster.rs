@@ -632,3 +632,39 @@ async fn lossy_links_still_converge_and_calls_get_statuses() {
         plan.report()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_whose_node_died_gets_proc_dead_on_every_call() {
+    let a = start(tcp_cfg(1, b"k")).await;
+    let client = Endpoint::connect_client(
+        TransportConfig {
+            secret: b"k".to_vec(),
+            ..TransportConfig::client(Incarnation(1))
+        },
+        a.listen_addr().unwrap(),
+    )
+    .await
+    .unwrap();
+    let r = client
+        .call(
+            NodeId(1),
+            request("echo", 1, Payload::local(1u8)),
+            soon(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Ok);
+    a.crash(); // its sockets close as when the process is killed
+    for i in 0..20 {
+        let err = client
+            .call(
+                NodeId(1),
+                request("echo", 1, Payload::local(1u8)),
+                soon(Duration::from_secs(5)),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.status, Status::ProcDead, "call {i}: {err}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

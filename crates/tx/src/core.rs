@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use weft_wire::{Incarnation, NodeId, SubPath, Tid};
+use weft_wire::{Incarnation, NodeId, Status, SubPath, Tid};
 
 use crate::msg::{Answer, Outcome, TmRecord, TxMsg, Vote};
 
@@ -91,8 +91,9 @@ pub enum Input {
     },
     /// An answer to our inquiry.
     Answer(Answer),
-    /// A node was declared dead (or restarted).
-    PeerDead(NodeId),
+    /// A node was declared dead (or restarted), with the status that says
+    /// how (HostDead, ProcDead).
+    PeerDead(NodeId, Status),
     /// Time passes (retransmissions, deadline, inquiries).
     Tick(Instant),
 }
@@ -168,6 +169,8 @@ pub struct TxCore {
     local: Option<Vote>,
     durable_here: bool,
     own_record_durable: bool,
+    /// Why the transaction aborted here (the first cause seen).
+    abort_cause: Option<(Status, String)>,
     aborted_subs: Vec<SubPath>,
     deadline: Option<Instant>,
     cfg: CoreConfig,
@@ -260,6 +263,7 @@ impl TxCore {
             local: None,
             durable_here: false,
             own_record_durable: false,
+            abort_cause: None,
             aborted_subs: Vec::new(),
             deadline,
             cfg,
@@ -285,6 +289,13 @@ impl TxCore {
     /// True at the coordinator.
     pub fn is_coordinator(&self) -> bool {
         self.coordinator
+    }
+
+    /// Why the transaction aborted at this node, once it did: the status
+    /// (Aborted, TimedOut when its deadline passed, HostDead/ProcDead when
+    /// a node it needed died) and the reason.
+    pub fn abort_cause(&self) -> Option<(Status, &str)> {
+        self.abort_cause.as_ref().map(|(s, r)| (*s, r.as_str()))
     }
 
     /// The first caller (participants).
@@ -406,7 +417,7 @@ impl TxCore {
                     ),
                 _ => {}
             },
-            Input::PeerDead(node) => self.on_peer_dead(node, &mut out),
+            Input::PeerDead(node, status) => self.on_peer_dead(node, status, &mut out),
             Input::Tick(now) => self.on_tick(now, &mut out),
         }
         out
@@ -708,14 +719,19 @@ impl TxCore {
         }
     }
 
-    fn on_peer_dead(&mut self, node: NodeId, out: &mut Vec<Action>) {
+    fn on_peer_dead(&mut self, node: NodeId, status: Status, out: &mut Vec<Action>) {
+        let status = match status {
+            Status::HostDead | Status::ProcDead => status,
+            _ => Status::ProcDead,
+        };
         let is_parent = Some(node) == self.parent || Some(node) == self.voter;
         let is_child = self.children.contains_key(&node);
         if !is_parent && !is_child {
             return;
         }
         match self.phase {
-            Phase::Active => self.abort_here(
+            Phase::Active => self.abort_with(
+                status,
                 format!("node {node} died while the transaction ran"),
                 Some(node),
                 out,
@@ -724,11 +740,13 @@ impl TxCore {
                 let waiting_on_it =
                     is_parent || self.children.get(&node).is_some_and(|c| c.vote.is_none());
                 if waiting_on_it {
-                    self.abort_here(format!("node {node} died during prepare"), Some(node), out)
+                    let reason = format!("node {node} died during prepare");
+                    self.abort_with(status, reason, Some(node), out)
                 }
             }
             Phase::Forcing if !self.coordinator && is_parent => {
-                self.abort_here(format!("node {node} died during prepare"), Some(node), out)
+                let reason = format!("node {node} died during prepare");
+                self.abort_with(status, reason, Some(node), out)
             }
             _ => {} // prepared or decided: keep going; recovery resolves it
         }
@@ -737,7 +755,8 @@ impl TxCore {
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Action>) {
         if let Some(d) = self.deadline {
             if now >= d && matches!(self.phase, Phase::Active | Phase::Preparing) {
-                self.abort_here("the transaction's deadline passed".into(), None, out);
+                let reason = "the transaction's deadline passed".to_string();
+                self.abort_with(Status::TimedOut, reason, None, out);
                 return;
             }
         }
@@ -803,6 +822,20 @@ impl TxCore {
     /// The outcome is abort here: resources undo, every neighbour but
     /// `from` is told, nothing is forced.
     fn abort_here(&mut self, reason: String, from: Option<NodeId>, out: &mut Vec<Action>) {
+        self.abort_with(Status::Aborted, reason, from, out)
+    }
+
+    /// [`TxCore::abort_here`] remembering `status` as the cause.
+    fn abort_with(
+        &mut self,
+        status: Status,
+        reason: String,
+        from: Option<NodeId>,
+        out: &mut Vec<Action>,
+    ) {
+        if self.abort_cause.is_none() {
+            self.abort_cause = Some((status, reason.clone()));
+        }
         let was_prepared = matches!(self.phase, Phase::Prepared | Phase::Forcing);
         out.push(Action::AbortLocal);
         let msg = TxMsg::Abort {

@@ -354,13 +354,13 @@ impl TxManager {
         endpoint.set_port_handler(Port::TX, Arc::new(TxPort(Arc::downgrade(&inner))));
         let weak = Arc::downgrade(&inner);
         endpoint.on_membership(move |event| {
-            let node = match event {
-                MembershipEvent::Left { node, .. } => *node,
+            let (node, status) = match event {
+                MembershipEvent::Left { node, cause, .. } => (*node, *cause),
                 _ => return,
             };
             if let Some(inner) = weak.upgrade() {
                 // Listeners must not block: hand the work to a task.
-                tokio::spawn(async move { inner.peer_dead(node) });
+                tokio::spawn(async move { inner.peer_dead(node, status) });
             }
         });
         tokio::spawn(TmInner::timer_task(
@@ -538,7 +538,7 @@ impl TxManager {
         let rx = {
             let mut st = slot.state.lock();
             if let Some(o) = st.outcome {
-                return outcome_result(tid, o);
+                return outcome_result(tid, o, &st.core);
             }
             let (tx, rx) = oneshot::channel();
             st.waiters.push(tx);
@@ -560,7 +560,7 @@ impl TxManager {
         let span = tracing::debug_span!("commit", %tid);
         inner.input(&slot, Input::Commit).instrument(span).await;
         match rx.await {
-            Ok(o) => outcome_result(tid, o),
+            Ok(o) => outcome_result(tid, o, &slot.state.lock().core),
             Err(_) => Err(Failure::new(
                 Status::InDoubt,
                 format!("{tid}: the commit record could not be made durable"),
@@ -736,10 +736,16 @@ impl TxManager {
     }
 }
 
-fn outcome_result(tid: Tid, o: Outcome) -> Result<(), Failure> {
-    match o {
-        Outcome::Committed => Ok(()),
-        Outcome::Aborted => Err(Failure::new(
+/// The result `commit` reports: Ok, or the abort's cause (Aborted with the
+/// reason, TimedOut, HostDead/ProcDead when a node it needed died).
+fn outcome_result(tid: Tid, o: Outcome, core: &TxCore) -> Result<(), Failure> {
+    match (o, core.abort_cause()) {
+        (Outcome::Committed, _) => Ok(()),
+        (Outcome::Aborted, Some((status, reason))) => Err(Failure::new(
+            status,
+            format!("transaction {tid} aborted: {reason}"),
+        )),
+        (Outcome::Aborted, None) => Err(Failure::new(
             Status::Aborted,
             format!("transaction {tid} aborted"),
         )),
@@ -937,7 +943,10 @@ impl TmInner {
                     ) {
                         let me = Arc::clone(self);
                         let slot = Arc::clone(slot);
-                        tokio::spawn(async move { me.input(&slot, Input::PeerDead(to)).await });
+                        let status = f.status;
+                        tokio::spawn(
+                            async move { me.input(&slot, Input::PeerDead(to, status)).await },
+                        );
                     }
                 }
             }
@@ -1387,7 +1396,7 @@ impl TmInner {
         Ok(())
     }
 
-    fn peer_dead(self: &Arc<Self>, node: NodeId) {
+    fn peer_dead(self: &Arc<Self>, node: NodeId, status: Status) {
         let slots: Vec<Arc<Slot>> = self.txs.lock().values().cloned().collect();
         for slot in slots {
             let involved = {
@@ -1398,7 +1407,7 @@ impl TmInner {
             };
             if involved {
                 let me = Arc::clone(self);
-                tokio::spawn(async move { me.input(&slot, Input::PeerDead(node)).await });
+                tokio::spawn(async move { me.input(&slot, Input::PeerDead(node, status)).await });
             }
         }
     }

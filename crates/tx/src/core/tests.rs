@@ -356,9 +356,20 @@ fn an_in_doubt_participant_inquires_and_learns_the_outcome() {
 #[test]
 fn a_dead_participant_aborts_an_active_transaction_and_everyone_is_told() {
     let mut sim = Sim::new(&[(1, 2), (2, 3)], &[(2, DURABLE), (3, DURABLE)]);
-    sim.input(n(2), Input::PeerDead(n(3)));
+    sim.input(n(2), Input::PeerDead(n(3), Status::HostDead));
     sim.settle();
     assert!(sim.did(2, "abort"));
+    let cause = sim.cores[&n(2)]
+        .abort_cause()
+        .map(|(s, r)| (s, r.to_string()));
+    assert_eq!(
+        cause,
+        Some((
+            Status::HostDead,
+            "node 3 died while the transaction ran".to_string()
+        )),
+        "the node that saw the death keeps how it happened"
+    );
     assert!(
         sim.did(1, "abort"),
         "termination notification reached the coordinator"
@@ -403,7 +414,9 @@ fn in_doubt_branches_ignore_local_aborts_and_dead_parents() {
     let cfg = CoreConfig::default();
     let mut core = TxCore::recovered_prepared(tid(), n(1), vec![], cfg);
     assert!(core.step(Input::Abort("app".into())).is_empty());
-    assert!(core.step(Input::PeerDead(n(1))).is_empty());
+    assert!(core
+        .step(Input::PeerDead(n(1), Status::ProcDead))
+        .is_empty());
     assert!(core.in_doubt());
     let acts = core.step(Input::Answer(Answer::Committed));
     assert!(acts.contains(&Action::CommitLocal));
