@@ -311,6 +311,10 @@ impl PortHandler for TxPort {
             Err(e) => tracing::warn!(peer = %from.node, "undecodable transaction message: {e}"),
         }
     }
+
+    fn inline(&self) -> bool {
+        true // decodes and spawns: nothing that could block a sender
+    }
 }
 
 fn phase_name(p: &Phase) -> &'static str {
@@ -893,12 +897,15 @@ impl TmInner {
     }
 
     async fn run(self: &Arc<Self>, slot: &Arc<Slot>, actions: Vec<Action>) {
-        for action in actions {
-            self.act(slot, action).await;
+        let n = actions.len();
+        for (i, action) in actions.into_iter().enumerate() {
+            self.act(slot, action, i + 1 == n).await;
         }
     }
 
-    async fn act(self: &Arc<Self>, slot: &Arc<Slot>, action: Action) {
+    /// Carries out one action; `last` when it ends its step (waiting here
+    /// then delays nothing else, so the task hop can be saved).
+    async fn act(self: &Arc<Self>, slot: &Arc<Slot>, action: Action, last: bool) {
         let tid = slot.tid;
         match action {
             Action::PrepareLocal { aborted_subs } => {
@@ -914,6 +921,10 @@ impl TmInner {
                 if !two_phase && slot.state.lock().active_calls == 0 {
                     // Nothing durable here: vote without a task hop.
                     let vote = local_vote_volatile(&slot.state.lock());
+                    self.input(slot, Input::LocalVote(vote)).await;
+                } else if last {
+                    // No Prepare to children waits behind it: prepare here.
+                    let vote = self.prepare_local(slot).await;
                     self.input(slot, Input::LocalVote(vote)).await;
                 } else {
                     let me = Arc::clone(self);
@@ -950,7 +961,9 @@ impl TmInner {
                     }
                 }
             }
-            Action::Log(record, durability) => self.log_record(slot, record, durability).await,
+            Action::Log(record, durability) => {
+                self.log_record(slot, record, durability, last).await
+            }
             Action::CommitLocal => {
                 // Applied before the next action: the creator's commit
                 // returns (Finished) only once this node's resources hold
@@ -1028,11 +1041,46 @@ impl TmInner {
         }
     }
 
+    /// Commits the coordinator's log-recovered resources once its commit
+    /// record at `lsn` is appended (early lock release).
+    async fn commit_early(&self, slot: &Arc<Slot>, lsn: weft_log::Lsn) {
+        self.early_released.fetch_max(lsn.get(), Ordering::AcqRel);
+        slot.state.lock().committed_early = true;
+        commit_resources(slot, |r| r.commits_from_this_log()).await;
+    }
+
+    /// Carries on once a forced record is durable (or the log failed).
+    async fn after_force(
+        self: &Arc<Self>,
+        slot: &Arc<Slot>,
+        coordinator: bool,
+        forced: weft_log::Result<()>,
+    ) {
+        match forced {
+            Ok(()) => {
+                let point = if coordinator {
+                    CrashPoint::CoordinatorAfterCommitForce
+                } else {
+                    CrashPoint::ParticipantPrepared
+                };
+                self.crash_point(point, slot.tid).await;
+                self.input(slot, Input::Forced).await
+            }
+            Err(e) => {
+                tracing::error!(tid = %slot.tid, "log force failed: {e}");
+                self.log_failed(slot, Durability::Force);
+            }
+        }
+    }
+
+    /// Appends a TM record; `last` when no other action of the same step
+    /// follows (a force may then be awaited here instead of in a task).
     async fn log_record(
         self: &Arc<Self>,
         slot: &Arc<Slot>,
         record: TmRecord,
         durability: Durability,
+        last: bool,
     ) {
         let tid = slot.tid;
         if durability == Durability::Force && matches!(record, TmRecord::Committed { .. }) {
@@ -1073,41 +1121,44 @@ impl TmInner {
                 // they wrote before it is durable: later writers' records
                 // follow it in the log, and read-only reporters wait for
                 // `early_released` (see `await_early_released`).
-                let (applied_tx, applied_rx) = oneshot::channel::<()>();
                 let early = coordinator && self.cfg.early_lock_release;
                 let me = Arc::clone(self);
-                let forced_slot = Arc::clone(slot);
-                tokio::spawn(async move {
-                    let slot = forced_slot;
-                    let forced = match intent {
+                let forcing = async move {
+                    match intent {
                         Some(i) => i.force(lsn).await,
                         None => me.log.force(lsn).await,
-                    };
-                    // The outcome moves on only after the early commit
-                    // finished (or was not attempted).
-                    let _ = applied_rx.await;
-                    match forced {
-                        Ok(()) => {
-                            let point = if coordinator {
-                                CrashPoint::CoordinatorAfterCommitForce
-                            } else {
-                                CrashPoint::ParticipantPrepared
-                            };
-                            me.crash_point(point, slot.tid).await;
-                            me.input(&slot, Input::Forced).await
-                        }
-                        Err(e) => {
-                            tracing::error!(tid = %slot.tid, "log force failed: {e}");
-                            me.log_failed(&slot, Durability::Force);
-                        }
                     }
-                });
-                if early {
-                    self.early_released.fetch_max(lsn.get(), Ordering::AcqRel);
-                    slot.state.lock().committed_early = true;
-                    commit_resources(slot, |r| r.commits_from_this_log()).await;
+                };
+                if last {
+                    // Nothing else in this step waits: force here, without a
+                    // task hop. The first poll hands the sync to the flusher,
+                    // which runs while the early commit applies.
+                    let mut forcing = std::pin::pin!(forcing);
+                    let polled = futures::poll!(forcing.as_mut());
+                    if early {
+                        self.commit_early(slot, lsn).await;
+                    }
+                    let forced = match polled {
+                        std::task::Poll::Ready(r) => r,
+                        std::task::Poll::Pending => forcing.await,
+                    };
+                    self.after_force(slot, coordinator, forced).await;
+                } else {
+                    let (applied_tx, applied_rx) = oneshot::channel::<()>();
+                    let me = Arc::clone(self);
+                    let forced_slot = Arc::clone(slot);
+                    tokio::spawn(async move {
+                        let forced = forcing.await;
+                        // The outcome moves on only after the early commit
+                        // finished (or was not attempted).
+                        let _ = applied_rx.await;
+                        me.after_force(&forced_slot, coordinator, forced).await;
+                    });
+                    if early {
+                        self.commit_early(slot, lsn).await;
+                    }
+                    drop(applied_tx);
                 }
-                drop(applied_tx);
             }
             Durability::Lazy => {
                 let me = Arc::clone(self);
