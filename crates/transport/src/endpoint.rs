@@ -47,12 +47,14 @@ pub trait PortHandler: Send + Sync + 'static {
     /// order; it must not block.
     fn on_message(&self, from: PeerRef, payload: Payload);
 
-    /// True when `on_message` may run where the frame arrives (the link's
-    /// reader, or the sender's own call over an in-process link) instead of
-    /// the inbox task, saving a task hop. Only for handlers that take no
-    /// lock a sender could hold and only hand work on (spawn, queue);
+    /// True when `on_message` may run where a frame that came over
+    /// `channel` arrives (the link's reader; for inproc, the sender's own
+    /// send call) instead of the inbox task, saving a task hop. Only for
+    /// handlers that never block and hold no lock while they send (over
+    /// inproc a send runs the receiver's handler in the sender's call);
     /// messages of one link still arrive in order. False by default.
-    fn inline(&self) -> bool {
+    fn inline(&self, channel: ChannelKind) -> bool {
+        let _ = channel;
         false
     }
 }
@@ -1112,7 +1114,7 @@ impl Inner {
     pub(crate) fn on_message(&self, peer: PeerRef, msg: Message) {
         if msg.port != Port::NAMING {
             let handler = self.handlers.read().ports.get(&msg.port).cloned();
-            if let Some(h) = handler.filter(|h| h.inline()) {
+            if let Some(h) = handler.filter(|h| h.inline(peer.channel)) {
                 if !self.is_crashed() {
                     h.on_message(peer, msg.payload);
                 }

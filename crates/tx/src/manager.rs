@@ -312,7 +312,7 @@ impl PortHandler for TxPort {
         }
     }
 
-    fn inline(&self) -> bool {
+    fn inline(&self, _channel: weft_transport::ChannelKind) -> bool {
         true // decodes and spawns: nothing that could block a sender
     }
 }
