@@ -9,6 +9,7 @@ use std::sync::OnceLock;
 
 use anyhow::Context;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::FontStyle;
 
 /// Fonts tried in order (Debian's fonts-dejavu-core and common others).
@@ -61,12 +62,15 @@ pub fn bar_chart(
         .margin(16)
         .x_label_area_size(50)
         .y_label_area_size(70)
-        .build_cartesian_2d((0..bars.len()).into_segmented(), 0.0..max)
+        // n bars take the segments of 0..n-1 (a single bar: 0..1, as a
+        // zero-width range cannot be laid out).
+        .build_cartesian_2d((0..bars.len().max(2) - 1).into_segmented(), 0.0..max)
         .context("laying out the chart")?;
     chart
         .configure_mesh()
         .disable_x_mesh()
         .y_desc(y_label)
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .x_labels(bars.len())
         .x_label_formatter(&|x| match x {
             SegmentValue::CenterOf(i) => bars.get(*i).map(|(l, _)| l.clone()).unwrap_or_default(),
@@ -103,12 +107,36 @@ pub fn bar_chart(
         .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
             Text::new(
                 format!("{v:.0}"),
-                (SegmentValue::CenterOf(i), *v + max * 0.02),
-                ("sans-serif", 16),
+                (SegmentValue::CenterOf(i), *v + max * 0.01),
+                TextStyle::from(("sans-serif", 16).into_font())
+                    .pos(Pos::new(HPos::Center, VPos::Bottom)),
             )
         }))
         .context("drawing the values")?;
     root.present()
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draws_a_png_or_says_which_font_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bars.png");
+        let bars = vec![
+            ("weft 1 site".to_string(), 9349.0),
+            ("pgbench".to_string(), 2466.0),
+        ];
+        match bar_chart(&path, "DebitCredit", "tps", &bars) {
+            Ok(()) => {
+                let png = std::fs::read(&path).unwrap();
+                assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+                assert!(png.len() > 2000, "an image, not an empty file");
+            }
+            Err(e) => assert!(e.to_string().contains("fonts-dejavu-core"), "{e}"),
+        }
+    }
 }
