@@ -115,6 +115,7 @@ impl Ad {
         // A lock wait ends at the action timeout; leave the answer time to
         // come back before giving up on the site.
         let deadline = Instant::now() + self.cfg.action_timeout + Duration::from_secs(1);
+        tracing::trace!(tid = %tx.tid(), %site, "site call");
         let payload = self
             .rpc
             .call_payload(
@@ -124,6 +125,7 @@ impl Ad {
                 Some(deadline),
             )
             .await?;
+        tracing::trace!(tid = %tx.tid(), %site, "site call done");
         let reply: SiteReply = payload
             .decode()
             .map_err(|e| Failure::new(Status::Mismatch, format!("site {site} answered: {e}")))?;
