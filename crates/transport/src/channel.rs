@@ -42,6 +42,18 @@ pub enum IoError {
     /// The frame could not be encoded.
     #[error("cannot encode frame: {0}")]
     Encode(String),
+    /// The message is larger than the peer accepts (its Hello said so);
+    /// nothing was sent and the link stays up.
+    #[error("{0}")]
+    TooLarge(String),
+}
+
+/// The [`IoError`] for a message that could not be encoded for a peer.
+pub(crate) fn io_error(e: weft_wire::MessageEncodeError) -> IoError {
+    match e {
+        weft_wire::MessageEncodeError::TooLarge { .. } => IoError::TooLarge(e.to_string()),
+        weft_wire::MessageEncodeError::Encode(e) => IoError::Encode(e.to_string()),
+    }
 }
 
 /// One end of a link over some medium.
@@ -54,12 +66,14 @@ pub trait LinkIo: Send + Sync + 'static {
     ///
     /// Fails with [`IoError::Closed`] once the link is closed, [`IoError::Full`]
     /// when a bounded buffer is full, [`IoError::Encode`] when a payload cannot
-    /// be encoded for a byte medium.
+    /// be encoded for a byte medium, [`IoError::TooLarge`] when the message
+    /// exceeds what the peer accepts.
     fn send(&self, frame: Frame) -> Result<(), IoError>;
 
-    /// Tells the channel the largest frame the peer accepts (learned in the
-    /// handshake); byte channels fragment larger frames.
-    fn set_peer_max_frame(&self, _max_frame: usize) {}
+    /// Tells the channel the largest frame and the largest message the peer
+    /// accepts (learned in the handshake): byte channels fragment larger
+    /// frames and refuse larger messages with [`IoError::TooLarge`].
+    fn set_peer_limits(&self, _max_frame: usize, _max_message: usize) {}
 
     /// Closes the medium; the other end sees the link close.
     fn close(&self);

@@ -181,7 +181,20 @@ impl Responder {
     pub fn respond(mut self, mut response: Response) {
         self.done = true;
         response.call_id = self.call_id;
-        let _ = self.link.send(Frame::Response(response));
+        // An answer the caller's side would refuse (too large) or that cannot
+        // be encoded becomes a failure, so the caller is not left waiting.
+        let failure = match self.link.send(Frame::Response(response)) {
+            Err(IoError::TooLarge(e)) => (Status::TooLarge, format!("the answer: {e}")),
+            Err(IoError::Encode(e)) => (Status::Internal, format!("the answer: {e}")),
+            Ok(()) | Err(IoError::Closed) | Err(IoError::Full) => return,
+        };
+        let _ = self.link.send(Frame::Response(Response {
+            call_id: self.call_id,
+            status: failure.0,
+            detail: failure.1,
+            tx: None,
+            payload: Payload::empty(),
+        }));
     }
 
     /// Sends a failure response.
@@ -820,6 +833,7 @@ impl Inner {
                     format!("link to {to} is full"),
                 )),
                 Err(IoError::Encode(e)) => Err(Failure::new(Status::BadRequest, e)),
+                Err(IoError::TooLarge(e)) => Err(Failure::new(Status::TooLarge, e)),
             }
         }
     }

@@ -411,7 +411,10 @@ impl Link {
             channel: self.kind,
         };
         if let Some(io) = self.io.get() {
-            io.set_peer_max_frame(hello.max_frame as usize);
+            io.set_peer_limits(
+                hello.max_frame as usize,
+                usize::try_from(hello.max_message).unwrap_or(usize::MAX),
+            );
         }
         let mut st = self.state.lock();
         if !matches!(&*st, State::Handshaking(_)) {

@@ -22,9 +22,9 @@ use parking_lot::Mutex;
 use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
-use weft_wire::{decode_frame, encode_fragmented, Failure, Frame, Limits, NodeId, Status};
+use weft_wire::{decode_frame, encode_message, Failure, Frame, Limits, NodeId, Status};
 
-use crate::channel::{ChannelKind, IoError, LinkIo};
+use crate::channel::{io_error, ChannelKind, IoError, LinkIo};
 use crate::endpoint::Inner;
 use crate::handshake::Side;
 use crate::link::Link;
@@ -47,6 +47,7 @@ pub(crate) struct TcpIo {
     write: Mutex<WriteState>,
     flush: Notify,
     peer_max_frame: AtomicUsize,
+    peer_max_message: AtomicUsize,
     next_message_id: AtomicU64,
     closed: AtomicBool,
     desc: String,
@@ -69,6 +70,7 @@ impl TcpIo {
             }),
             flush: Notify::new(),
             peer_max_frame: AtomicUsize::new(limits.max_frame),
+            peer_max_message: AtomicUsize::new(limits.max_message),
             next_message_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             desc,
@@ -206,9 +208,9 @@ impl LinkIo for TcpIo {
                 return Err(IoError::Full);
             }
             let max = self.peer_max_frame.load(Ordering::Relaxed);
+            let max_message = self.peer_max_message.load(Ordering::Relaxed);
             let id = self.next_message_id.fetch_add(1, Ordering::Relaxed);
-            encode_fragmented(&frame, max, id, &mut st.buf)
-                .map_err(|e| IoError::Encode(e.to_string()))?;
+            encode_message(&frame, max, max_message, id, &mut st.buf).map_err(io_error)?;
             if st.busy {
                 return Ok(()); // the active writer picks it up
             }
@@ -239,8 +241,9 @@ impl LinkIo for TcpIo {
         }
     }
 
-    fn set_peer_max_frame(&self, max_frame: usize) {
+    fn set_peer_limits(&self, max_frame: usize, max_message: usize) {
         self.peer_max_frame.store(max_frame, Ordering::Relaxed);
+        self.peer_max_message.store(max_message, Ordering::Relaxed);
     }
 
     fn close(&self) {

@@ -9,7 +9,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use weft_transport::*;
 use weft_wire::*;
 
-/// A request handler: `echo` answers with the payload, `hang` never answers
+/// A request handler: `echo` answers with the payload, `double` with the
+/// payload twice over, `hang` never answers
 /// (until the node dies), anything else is NoSuchService.
 struct TestService;
 
@@ -23,6 +24,17 @@ impl RequestHandler for TestService {
                 tx: None,
                 payload: req.payload,
             }),
+            "double" => {
+                let mut v: Vec<u8> = req.payload.decode().expect("bytes");
+                v.extend_from_within(..);
+                responder.respond(Response {
+                    call_id: 0,
+                    status: Status::Ok,
+                    detail: String::new(),
+                    tx: None,
+                    payload: Payload::local(v),
+                })
+            }
             "hang" => {
                 tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_secs(120)).await;
@@ -374,6 +386,60 @@ async fn tcp_cluster_carries_many_calls_and_large_messages() {
             .any(|n| n.channel == Some(ChannelKind::Tcp)),
         "{view:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_the_peers_limit_fails_only_its_call() {
+    // Node 1 accepts messages of at most 2 MiB; node 2 the default 64 MiB.
+    let small = Limits {
+        max_message: 2 << 20,
+        ..Limits::default()
+    };
+    let a = start(TransportConfig {
+        limits: small,
+        ..tcp_cfg(1, b"k")
+    })
+    .await;
+    let b = start(tcp_cfg(2, b"k")).await;
+    b.join(Seed::Tcp(a.listen_addr().unwrap())).await.unwrap();
+    converge(&[a.clone(), b.clone()], "2 members", |v| {
+        alive(v) == vec![1, 2]
+    })
+    .await;
+    let call = |from: &Endpoint, to: u32, service: &str, len: usize| {
+        let from = from.clone();
+        let service = service.to_string();
+        async move {
+            from.call(
+                NodeId(to),
+                request(&service, to, Payload::local(vec![7u8; len])),
+                soon(Duration::from_secs(10)),
+            )
+            .await
+        }
+    };
+    let handshakes = (a.stats().handshakes, b.stats().handshakes);
+    // A request over node 1's limit fails at the sender with TooLarge...
+    let err = call(&b, 1, "echo", 3 << 20).await.unwrap_err();
+    assert_eq!(err.status, Status::TooLarge, "{err}");
+    // ...and an answer over it comes back as a TooLarge response instead of
+    // leaving the call waiting.
+    let r = call(&a, 2, "double", 3 << 19).await.unwrap();
+    assert_eq!(r.status, Status::TooLarge, "{r:?}");
+    assert!(r.detail.contains("the answer"), "{r:?}");
+    // Neither closed the link: calls both ways still work, nothing was refused.
+    let r = call(&b, 1, "echo", 1 << 20).await.unwrap();
+    assert_eq!(r.payload.decode::<Vec<u8>>().unwrap().len(), 1 << 20);
+    let r = call(&a, 2, "double", 1 << 19).await.unwrap();
+    assert_eq!(r.payload.decode::<Vec<u8>>().unwrap().len(), 1 << 20);
+    assert_eq!(
+        (a.stats().handshakes, b.stats().handshakes),
+        handshakes,
+        "no link was closed and opened again"
+    );
+    assert!(a.refusals().is_empty(), "{:?}", a.refusals());
+    assert!(b.refusals().is_empty(), "{:?}", b.refusals());
+    assert_eq!(alive(&a.view()), vec![1, 2]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -253,9 +253,58 @@ pub fn encode_fragmented(
     message_id: u64,
     out: &mut BytesMut,
 ) -> Result<(), EncodeError> {
+    encode_message(frame, max_frame, usize::MAX, message_id, out).map_err(|e| match e {
+        MessageEncodeError::Encode(e) => e,
+        MessageEncodeError::TooLarge { len, max } => EncodeError {
+            type_name: "Frame",
+            reason: format!("{len} bytes exceed {max}"),
+        },
+    })
+}
+
+/// Failure of [`encode_message`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MessageEncodeError {
+    /// The frame's encoding is larger than the receiver accepts: sending it
+    /// would make the receiver close the link.
+    #[error("a message of {len} bytes exceeds the receiver's maximum of {max}")]
+    TooLarge {
+        /// The encoded size.
+        len: usize,
+        /// The receiver's `max_message`.
+        max: usize,
+    },
+    /// A local payload cannot be encoded.
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+}
+
+/// [`encode_fragmented`] for a receiver that accepts messages of at most
+/// `max_message` bytes (it announced so in its Hello). Leaves `out` as it
+/// was on failure.
+///
+/// Fails with TooLarge when the frame's encoding exceeds `max_message`,
+/// Encode when a local payload cannot be encoded.
+pub fn encode_message(
+    frame: &Frame,
+    max_frame: usize,
+    max_message: usize,
+    message_id: u64,
+    out: &mut BytesMut,
+) -> Result<(), MessageEncodeError> {
     let start = out.len();
-    encode_frame(frame, out)?;
+    if let Err(e) = encode_frame(frame, out) {
+        out.truncate(start);
+        return Err(e.into());
+    }
     let len = out.len() - start;
+    if len > max_message {
+        out.truncate(start);
+        return Err(MessageEncodeError::TooLarge {
+            len,
+            max: max_message,
+        });
+    }
     if len <= max_frame {
         return Ok(());
     }

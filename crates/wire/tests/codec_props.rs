@@ -289,6 +289,44 @@ fn oversized_frames_are_refused_from_the_header() {
 }
 
 #[test]
+fn a_message_over_the_receivers_limit_is_refused_at_the_sender() {
+    let frame = Frame::Message(Message {
+        port: Port(9),
+        payload: Payload::bytes(vec![1u8; 10_000]),
+    });
+    let whole = encode(&frame).len();
+    let mut out = BytesMut::from(&b"queued"[..]);
+    // One byte under the encoded size: refused, and `out` is left as it was.
+    let err = encode_message(&frame, 4096, whole - 1, 3, &mut out).unwrap_err();
+    assert_eq!(
+        err,
+        MessageEncodeError::TooLarge {
+            len: whole,
+            max: whole - 1
+        }
+    );
+    assert_eq!(&out[..], b"queued");
+    // Exactly the encoded size: accepted and fragmented, and the receiver
+    // with that limit reassembles it.
+    encode_message(&frame, 4096, whole, 3, &mut out).unwrap();
+    let mut stream = out.split_off(6);
+    let limits = Limits {
+        max_frame: 4096,
+        max_message: whole,
+        ..Limits::default()
+    };
+    let mut re = Reassembler::new(limits);
+    let mut result = None;
+    while let Some(f) = decode_frame(&mut stream, &limits).unwrap() {
+        let Frame::Fragment(piece) = f else {
+            panic!("a 10 kB message over 4 kB frames must be fragmented")
+        };
+        result = re.accept(piece).unwrap();
+    }
+    assert_eq!(result, Some(frame));
+}
+
+#[test]
 fn unknown_version_and_kind_are_named() {
     let mut bytes = encode(&Frame::Goodbye(Goodbye { reason: "x".into() }));
     bytes[2] = 9;

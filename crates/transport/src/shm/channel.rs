@@ -40,14 +40,14 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BytesMut};
 use parking_lot::Mutex;
 use tokio::net::UnixStream;
-use weft_wire::{decode_frame, encode_fragmented, Frame, Limits, Status};
+use weft_wire::{decode_frame, encode_message, Frame, Limits, Status};
 
 use super::mem::{self, Segment};
 use super::poll;
 use super::ring::{Consumer, Layout, Producer, Ring, RingError};
 use super::wait::AdaptiveSpin;
 use super::{ShmConfig, SpinPolicy};
-use crate::channel::{ChannelKind, IoError, LinkIo};
+use crate::channel::{io_error, ChannelKind, IoError, LinkIo};
 use crate::link::Link;
 
 /// How long a reader thread sleeps between checks while a [`super::BusyPoll`]
@@ -132,6 +132,7 @@ pub(crate) struct Channel {
     /// waiting: room appeared once the published position differs.
     stuck_at: AtomicU64,
     peer_max_frame: AtomicUsize,
+    peer_max_message: AtomicUsize,
     limits: Limits,
     policy: SpinPolicy,
     max_pending: usize,
@@ -176,6 +177,7 @@ impl Channel {
             pending: AtomicBool::new(false),
             stuck_at: AtomicU64::new(0),
             peer_max_frame: AtomicUsize::new(limits.max_frame),
+            peer_max_message: AtomicUsize::new(limits.max_message),
             limits,
             policy: cfg.spin,
             max_pending: cfg.max_pending_bytes,
@@ -259,9 +261,10 @@ impl Channel {
         out.next_message_id += 1;
         let start = out.buf.len();
         let max = self.peer_max_frame.load(Ordering::Relaxed);
-        if let Err(e) = encode_fragmented(frame, max, id, &mut out.buf) {
+        let max_message = self.peer_max_message.load(Ordering::Relaxed);
+        if let Err(e) = encode_message(frame, max, max_message, id, &mut out.buf) {
             out.buf.truncate(start);
-            return Err(IoError::Encode(e.to_string()));
+            return Err(io_error(e));
         }
         if let Err(e) = self.flush(&mut out) {
             drop(out);
@@ -317,9 +320,10 @@ impl Channel {
         }
     }
 
-    /// Sets the largest frame the peer accepts.
-    pub(crate) fn set_peer_max_frame(&self, max: usize) {
-        self.peer_max_frame.store(max, Ordering::Relaxed);
+    /// Sets the largest frame and message the peer accepts.
+    pub(crate) fn set_peer_limits(&self, max_frame: usize, max_message: usize) {
+        self.peer_max_frame.store(max_frame, Ordering::Relaxed);
+        self.peer_max_message.store(max_message, Ordering::Relaxed);
     }
 
     // ----- receiving ---------------------------------------------------------
@@ -621,8 +625,8 @@ impl LinkIo for ShmIo {
         self.0.send(&frame)
     }
 
-    fn set_peer_max_frame(&self, max_frame: usize) {
-        self.0.set_peer_max_frame(max_frame);
+    fn set_peer_limits(&self, max_frame: usize, max_message: usize) {
+        self.0.set_peer_limits(max_frame, max_message);
     }
 
     fn close(&self) {
@@ -712,7 +716,7 @@ pub(crate) mod tests {
     #[test]
     fn frames_cross_in_order_including_fragmented_large_ones() {
         let (a, _pa, b, pb) = pair(&cfg(MIN_RING_BYTES));
-        a.set_peer_max_frame(4096);
+        a.set_peer_limits(4096, 64 << 20);
         let sizes = [0usize, 1, 7, 100, 3000, 5000, 70_000, 12];
         for (i, n) in sizes.iter().enumerate() {
             a.send(&request(*n)).unwrap();
