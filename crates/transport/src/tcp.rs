@@ -32,10 +32,21 @@ use crate::link::Link;
 /// Most bytes buffered for one link before senders get `Full`.
 const MAX_BUFFERED: usize = 256 << 20;
 
+/// Who is writing to the socket. Exactly one writer at a time; others only
+/// append to the buffer, and the writer takes what they appended.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Writer {
+    /// Nobody: the next sender writes inline.
+    Idle,
+    /// A sender, inline on its own thread; it never waits for the socket.
+    Sender,
+    /// The writer task, waiting for room in a full socket.
+    Task,
+}
+
 struct WriteState {
     buf: BytesMut,
-    /// Someone (a sender or the writer task) is writing; others just append.
-    busy: bool,
+    writer: Writer,
 }
 
 /// Bytes read from the socket in one `recv`.
@@ -66,7 +77,7 @@ impl TcpIo {
             stream,
             write: Mutex::new(WriteState {
                 buf: BytesMut::with_capacity(8192),
-                busy: false,
+                writer: Writer::Idle,
             }),
             flush: Notify::new(),
             peer_max_frame: AtomicUsize::new(limits.max_frame),
@@ -93,24 +104,47 @@ impl TcpIo {
 
     /// Puts an unwritten remainder back in front of whatever was appended
     /// meanwhile.
-    fn requeue(&self, mut rest: BytesMut) {
-        let mut st = self.write.lock();
+    fn requeue(st: &mut WriteState, mut rest: BytesMut) {
         let newer = std::mem::take(&mut st.buf);
         rest.unsplit(newer);
         st.buf = rest;
     }
 
+    /// Shuts the socket down (both ways); the reader then sees it closed.
+    /// Only the writer of the moment, or [`LinkIo::close`] when nobody
+    /// writes, calls this, so queued frames are never cut off mid-write.
+    fn shut(&self) {
+        let _ = self.stream.get_ref().shutdown(std::net::Shutdown::Both);
+    }
+
+    /// The writer's last act once the link is closed: best effort, whatever
+    /// the kernel takes now of what is queued (such as the Refused frame
+    /// that says why) goes out, then the socket is shut down. Never waits
+    /// for a slow peer.
+    fn finish(&self, mut rest: BytesMut) {
+        let _ = self.write_now(&mut rest);
+        self.shut();
+    }
+
+    /// Writes what senders queued while the socket was full. Owns the socket
+    /// only while the state says [`Writer::Task`]; a close wakes it.
     async fn writer_task(self: Arc<Self>, link: Weak<Link>) {
         loop {
             self.flush.notified().await;
             loop {
-                if self.closed.load(Ordering::Acquire) {
-                    return;
-                }
                 let mut chunk = {
                     let mut st = self.write.lock();
+                    if st.writer != Writer::Task {
+                        break; // woken by a close while a sender writes
+                    }
+                    if self.closed.load(Ordering::Acquire) {
+                        let rest = st.buf.split();
+                        drop(st);
+                        self.finish(rest);
+                        return;
+                    }
                     if st.buf.is_empty() {
-                        st.busy = false;
+                        st.writer = Writer::Idle;
                         break;
                     }
                     st.buf.split()
@@ -118,17 +152,25 @@ impl TcpIo {
                 match self.write_now(&mut chunk) {
                     Ok(true) => {}
                     Ok(false) => {
-                        self.requeue(chunk);
-                        match self.stream.writable().await {
+                        Self::requeue(&mut self.write.lock(), chunk);
+                        tokio::select! {
                             // The kernel buffer was full: wait for room.
-                            Ok(mut ready) => ready.clear_ready(),
-                            Err(_) => {
-                                self.fail(&link, "socket not writable");
-                                return;
-                            }
+                            ready = self.stream.writable() => match ready {
+                                Ok(mut ready) => ready.clear_ready(),
+                                Err(_) => {
+                                    self.closed.store(true, Ordering::Release);
+                                    self.shut();
+                                    self.fail(&link, "socket not writable");
+                                    return;
+                                }
+                            },
+                            // The link closed: stop waiting for a slow peer.
+                            _ = self.flush.notified() => {}
                         }
                     }
                     Err(e) => {
+                        self.closed.store(true, Ordering::Release);
+                        self.shut();
                         self.fail(&link, &format!("write failed: {e}"));
                         return;
                     }
@@ -211,30 +253,47 @@ impl LinkIo for TcpIo {
             let max_message = self.peer_max_message.load(Ordering::Relaxed);
             let id = self.next_message_id.fetch_add(1, Ordering::Relaxed);
             encode_message(&frame, max, max_message, id, &mut st.buf).map_err(io_error)?;
-            if st.busy {
-                return Ok(()); // the active writer picks it up
+            if st.writer != Writer::Idle {
+                return Ok(()); // the writer of the moment picks it up
             }
-            st.busy = true;
+            st.writer = Writer::Sender;
             st.buf.split()
         };
         loop {
             match self.write_now(&mut chunk) {
                 Ok(true) => {
                     let mut st = self.write.lock();
-                    if st.buf.is_empty() {
-                        st.busy = false;
-                        return Ok(());
+                    if !st.buf.is_empty() {
+                        chunk = st.buf.split();
+                        continue;
                     }
-                    chunk = st.buf.split();
+                    // Checked under the lock `close` takes, so exactly one of
+                    // us shuts the socket down once the link is closed.
+                    if self.closed.load(Ordering::Acquire) {
+                        drop(st);
+                        self.shut();
+                    } else {
+                        st.writer = Writer::Idle;
+                    }
+                    return Ok(());
                 }
                 Ok(false) => {
-                    self.requeue(chunk);
-                    self.flush.notify_one();
+                    let mut st = self.write.lock();
+                    Self::requeue(&mut st, chunk);
+                    if self.closed.load(Ordering::Acquire) {
+                        drop(st);
+                        self.shut();
+                    } else {
+                        st.writer = Writer::Task;
+                        drop(st);
+                        self.flush.notify_one();
+                    }
                     return Ok(());
                 }
                 Err(_) => {
                     // The reader notices the broken socket and closes the link.
-                    self.close();
+                    self.closed.store(true, Ordering::Release);
+                    self.shut();
                     return Err(IoError::Closed);
                 }
             }
@@ -247,19 +306,25 @@ impl LinkIo for TcpIo {
     }
 
     fn close(&self) {
-        if !self.closed.swap(true, Ordering::AcqRel) {
-            // Best effort: frames queued behind a write in progress (such as
-            // the Refused frame that says why) go out if the kernel takes
-            // them now; closing never waits for a slow peer.
-            {
-                let mut st = self.write.lock();
-                if !st.busy && !st.buf.is_empty() {
-                    let mut rest = st.buf.split();
-                    let _ = self.write_now(&mut rest);
-                }
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Whoever writes at this moment sends what is queued (such as the
+        // Refused frame that says why) and shuts the socket down: shutting it
+        // under a sender's feet would lose the frames queued behind its write.
+        let mut st = self.write.lock();
+        match st.writer {
+            Writer::Idle => {
+                st.writer = Writer::Sender; // nobody writes after us
+                let rest = st.buf.split();
+                drop(st);
+                self.finish(rest);
             }
-            let _ = self.stream.get_ref().shutdown(std::net::Shutdown::Both);
-            self.flush.notify_one();
+            Writer::Sender => {} // it sees `closed` when its write returns
+            Writer::Task => {
+                drop(st);
+                self.flush.notify_one(); // wakes it from waiting for room
+            }
         }
     }
 
