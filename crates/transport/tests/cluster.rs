@@ -628,8 +628,18 @@ async fn a_restarted_node_is_seen_as_a_new_incarnation() {
         .await
         .expect("restarted node re-joins");
     let all = [eps[0].clone(), eps[1].clone(), again.clone()];
-    converge(&all, "3 members again", |v| alive(v) == vec![1, 2, 3]).await;
+    // Node 2 never declared the first incarnation dead (its link to it just
+    // went quiet), so "alive" alone does not say it knows of the restart:
+    // wait until every node sees incarnation 2.
+    converge(&all, "3 members again, node 3 restarted", |v| {
+        alive(v) == vec![1, 2, 3]
+            && v.nodes
+                .iter()
+                .any(|n| n.info.id == NodeId(3) && n.info.incarnation == Incarnation(2))
+    })
+    .await;
     assert_eq!(eps[0].peer_incarnation(NodeId(3)), Some(Incarnation(2)));
+    assert_eq!(eps[1].peer_incarnation(NodeId(3)), Some(Incarnation(2)));
     let seen = events.lock().clone();
     assert!(
         seen.iter().any(|e| matches!(

@@ -220,8 +220,10 @@ async fn nested_transactions_abort_alone_or_pass_effects_up() {
         .await;
     assert_eq!(err.unwrap_err().status, Status::BadRequest);
     tx.commit().await.unwrap();
+    // Each participant applies the outcome when its Commit arrives, after
+    // the coordinator has answered: wait for both.
     wait_for("applied", Duration::from_secs(2), || {
-        stores[2].committed(b"s2").is_some()
+        stores[2].committed(b"s2").is_some() && stores[1].committed(b"parent").is_some()
     })
     .await;
     assert_eq!(stores[1].committed(b"parent"), Some(b("p")));
