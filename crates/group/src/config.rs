@@ -48,8 +48,13 @@ pub struct GroupConfig {
     /// lives once it has heard nothing about it for this long (T-Shoshin's
     /// probes), so that members never wait on a dead communication.
     pub probe_after: Duration,
-    /// Period of the runtime's timer (retransmissions, probes, expiry).
+    /// Period of the runtime's timer (retransmissions, probes, expiry)
+    /// while something is timed.
     pub tick: Duration,
+    /// While nothing is timed the timer sleeps, woken by the step that
+    /// gives it work; it also looks on its own this often (at whether the
+    /// naming directory moved, for one).
+    pub quiet_check: Duration,
     /// How long a transaction fan-out remembers a message id (duplicates
     /// arriving later are answered with an empty count).
     pub fanout_memory: Duration,
@@ -74,6 +79,7 @@ impl Default for GroupConfig {
             max_retransmit: Duration::from_secs(1),
             probe_after: Duration::from_secs(2),
             tick: Duration::from_millis(10),
+            quiet_check: Duration::from_secs(1),
             fanout_memory: Duration::from_secs(30),
         }
     }
@@ -106,6 +112,7 @@ impl GroupConfig {
             ("retransmit", self.retransmit),
             ("probe_after", self.probe_after),
             ("tick", self.tick),
+            ("quiet_check", self.quiet_check),
         ];
         for (name, v) in times {
             if v.is_zero() {

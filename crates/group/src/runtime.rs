@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::pin::pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -98,6 +98,10 @@ pub(crate) struct Shared {
     synced: Mutex<Option<(Option<NodeId>, Option<Incarnation>)>>,
     /// Deferrable messages waiting to be sent together, by destination.
     deferred: Mutex<HashMap<NodeId, Vec<Deferred>>>,
+    /// The timer sleeps while the core has nothing timed (set under the core
+    /// lock); a step that gives it work clears this and wakes it.
+    timer_asleep: AtomicBool,
+    timer_work: Arc<Notify>,
 }
 
 /// A message waiting to travel with others, and what it waits for.
@@ -131,12 +135,32 @@ impl Shared {
         let env = self.env(full_env);
         let now = Instant::now();
         let mut out = Vec::new();
-        let r = {
+        let (r, wake_timer) = {
             let mut core = self.core.lock();
-            f(&mut core, &env, now, &mut out)
+            let r = f(&mut core, &env, now, &mut out);
+            // Checked under the lock the timer holds when it decides to
+            // sleep, so new timed work never waits for its next look.
+            let wake = self.timer_asleep.load(Ordering::Relaxed)
+                && !core.is_quiet()
+                && self.timer_asleep.swap(false, Ordering::Relaxed);
+            (r, wake)
         };
+        if wake_timer {
+            self.timer_work.notify_one();
+        }
         self.act(out);
         r
+    }
+
+    /// Whether the timer may sleep: nothing timed in the core. Marks it
+    /// asleep, under the core lock, when so.
+    fn timer_may_sleep(&self) -> bool {
+        let core = self.core.lock();
+        let quiet = core.is_quiet();
+        if quiet {
+            self.timer_asleep.store(true, Ordering::Relaxed);
+        }
+        quiet
     }
 
     fn act(self: &Arc<Self>, out: Vec<Action>) {
@@ -341,6 +365,8 @@ impl Shared {
                         core.on_node_dead(node, status, env, now, out)
                     }),
                 );
+                // The directory may have moved with it.
+                self.sync_if_directory_changed();
             }
             MembershipEvent::Joined(info) => {
                 if Some(info.id) == self.endpoint.directory() {
@@ -477,6 +503,8 @@ impl Groups {
             members: Mutex::new(HashMap::new()),
             synced: Mutex::new(None),
             deferred: Mutex::new(HashMap::new()),
+            timer_asleep: AtomicBool::new(false),
+            timer_work: Arc::new(Notify::new()),
             cfg,
         });
         shared
@@ -496,21 +524,36 @@ impl Groups {
             }
         });
         let weak = Arc::downgrade(&shared);
-        let tick = shared.cfg.tick;
+        let (tick, quiet_check) = (shared.cfg.tick, shared.cfg.quiet_check);
+        let work = Arc::clone(&shared.timer_work);
+        // Ticks while something waits for a retransmission, a deadline or
+        // to be forgotten; otherwise sleeps, so an idle node costs no
+        // wake-ups here.
         tokio::spawn(async move {
             let mut ticker = tokio::time::interval(tick);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticker.tick().await;
-                let Some(s) = weak.upgrade() else { return };
-                if s.endpoint.is_crashed() {
-                    return;
+                let quiet = {
+                    let Some(s) = weak.upgrade() else { return };
+                    if s.endpoint.is_crashed() {
+                        return;
+                    }
+                    s.step(
+                        false,
+                        Box::new(|core, env, now, out| core.tick(env, now, out)),
+                    );
+                    s.sync_if_directory_changed();
+                    s.timer_may_sleep()
+                };
+                if quiet {
+                    // No strong reference is held while asleep.
+                    let _ = tokio::time::timeout(quiet_check, work.notified()).await;
+                    if let Some(s) = weak.upgrade() {
+                        s.timer_asleep.store(false, Ordering::Relaxed);
+                    }
+                    ticker.reset();
                 }
-                s.step(
-                    false,
-                    Box::new(|core, env, now, out| core.tick(env, now, out)),
-                );
-                s.sync_if_directory_changed();
             }
         });
         Ok(Groups { shared })

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use support::*;
 use weft::{FaultScope, LinkFaults, Node, NodeId, Payload, Seed, Status};
+use weft_group::config::GroupConfig;
 use weft_group::service::GroupPlugin;
 
 const LONG: Duration = Duration::from_secs(5);
@@ -97,6 +98,70 @@ async fn a_partitioned_member_node_is_counted_dead_then_comes_back() {
         s.send(&g, Payload::local(4u8)).await.unwrap(),
         2,
         "{}",
+        c.report()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_after_an_idle_spell_is_retransmitted_promptly() {
+    // A node's group timer sleeps while nothing is timed, looking again on
+    // its own only every `quiet_check` (here 30 s); a send whose message is
+    // lost must wake it at once, so the first retransmission comes after
+    // 60 ms, not after that look.
+    let c = GroupCluster::start_with(
+        2,
+        306,
+        |_| GroupConfig {
+            quiet_check: Duration::from_secs(30),
+            ..test_config()
+        },
+        |_, b| b,
+    )
+    .await;
+    let g = gid("fa:idle");
+    c.g(1).create(&g, "pw").await.unwrap();
+    let _m = c.g(2).join(&g, "pw").await.unwrap();
+    wait_for("node 1 knows node 2 hosts the group", LONG, || {
+        c.g(1)
+            .cached()
+            .iter()
+            .any(|i| i.gid == g && i.hosts == vec![NodeId(2)])
+    })
+    .await;
+    // Past 2 × probe_after (400 ms): every communication is forgotten and
+    // the timers sleep.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    c.cluster.plan.set_link(
+        NodeId(1),
+        NodeId(2),
+        LinkFaults {
+            drop: 1.0,
+            scope: FaultScope::Messages,
+            ..LinkFaults::none()
+        },
+    );
+    let plan = c.cluster.plan.clone();
+    let calm = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        plan.calm();
+    });
+    let s = c.g(1).sender();
+    let started = std::time::Instant::now();
+    assert_eq!(s.send(&g, Payload::local(1u8)).await.unwrap(), 1);
+    let took = started.elapsed();
+    calm.await.unwrap();
+    assert!(
+        c.cluster
+            .plan
+            .history()
+            .iter()
+            .any(|h| h.contains("Message: []")),
+        "the first message was dropped: {}",
+        c.report()
+    );
+    assert!(
+        took < Duration::from_millis(700),
+        "the retransmission waited for the idle timer's look: {took:?}\n{}",
         c.report()
     );
 }

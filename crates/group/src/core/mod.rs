@@ -202,6 +202,14 @@ impl Core {
         self.outbox.len()
     }
 
+    /// True when nothing here is timed: no message waits for an answer, no
+    /// delivered communication waits to be probed or forgotten, no fan-out
+    /// is remembered. [`Core::tick`] then has nothing to do until a step
+    /// changes that.
+    pub fn is_quiet(&self) -> bool {
+        self.outbox.is_empty() && self.host.comms_len() == 0 && self.fanout.is_empty()
+    }
+
     /// Groups held by this node's directory (empty unless it is the
     /// directory).
     pub fn directory_len(&self) -> usize {
