@@ -175,7 +175,7 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         None
     } else {
         let pb = progress("shared memory: spin floor, then weft RPC to a second process");
-        let figures = super::rpc_shm::rpc_over_shm(calls, args.payload).await;
+        let figures = super::rpc_shm::rpc_over_shm(calls, args.payload, &pb).await;
         pb.finish_and_clear();
         Some(figures?)
     };

@@ -3,9 +3,12 @@
 //! process on this host over the shm channel (latency, and throughput with
 //! 64 calls in flight), and the CPU an idle pair of nodes uses.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
+use indicatif::ProgressBar;
+use weft::kv::{Kv, KvConfig};
 use weft::{Address, ChannelKind, Node, NodeId, Payload};
 use weft_transport::shm::{bench as shm_bench, wait_for_channel};
 use weft_transport::BusyPoll;
@@ -56,13 +59,25 @@ pub async fn raw_spin(rounds: usize) -> anyhow::Result<(Latency, f64)> {
 /// they talk over shm, then measures echo calls from 1 to 2, the pipelined
 /// throughput and the idle CPU of both processes.
 ///
+/// `pb` shows progress; its spinner is paused over the idle window so that
+/// redrawing it is not counted as the nodes' CPU.
+///
 /// Fails when the child does not start, the link never becomes shm (shm
 /// disabled or unavailable on this host), or a call fails.
-pub async fn rpc_over_shm(calls: usize, payload: usize) -> anyhow::Result<ShmFigures> {
+pub async fn rpc_over_shm(
+    calls: usize,
+    payload: usize,
+    pb: &ProgressBar,
+) -> anyhow::Result<ShmFigures> {
     let (raw_spin, raw_spin_per_s) = raw_spin(calls).await?;
+    // The same services as the `weft node` child, so that neither waits on
+    // the other for a layer it lacks (a group runtime asking a directory
+    // without one retries for seconds, and that would count as idle CPU).
     let a = Node::builder(1)
         .listen("127.0.0.1:0".parse()?)
         .checkpoint_every(None)
+        .plugin(Arc::new(Kv::new(KvConfig::default())))
+        .plugin(weft_group::GroupPlugin::new(Default::default()))
         .start()
         .await?;
     let addr = a.addr().expect("listening").to_string();
@@ -78,7 +93,7 @@ pub async fn rpc_over_shm(calls: usize, payload: usize) -> anyhow::Result<ShmFig
             addr,
         ],
     )?;
-    let measured = measure(&a, &child, calls, payload).await;
+    let measured = measure(&a, &child, calls, payload, pb).await;
     child.terminate(Duration::from_secs(5));
     a.shutdown().await;
     let (rpc, rpc_per_s, rpc_pipelined_per_s, idle_cpu_percent, idle_window) = measured?;
@@ -98,6 +113,7 @@ async fn measure(
     child: &ChildNode,
     calls: usize,
     payload: usize,
+    pb: &ProgressBar,
 ) -> anyhow::Result<(Latency, f64, f64, f64, Duration)> {
     wait_for_channel(
         a.endpoint(),
@@ -155,9 +171,15 @@ async fn measure(
         Ok::<_, weft::Failure>((lat, per_s, pipelined))
     })
     .await??;
-    // Idle: let the spinning readers settle, then count both processes' CPU.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Idle: let the spinning readers settle, then count both processes' CPU
+    // with this process's spinner still (its redraws are not the nodes').
     let window = Duration::from_secs(2);
+    pb.disable_steady_tick();
+    pb.set_message(format!(
+        "shared memory: CPU of the idle pair over {window:?} (spinner paused)"
+    ));
+    pb.tick();
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let pids = [std::process::id(), child.id()];
     let cpu = tokio::task::spawn_blocking(move || shm_bench::cpu_percent(&pids, window)).await??;
     Ok((lat, per_s, pipelined, cpu, window))
