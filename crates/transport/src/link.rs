@@ -10,7 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
-use weft_wire::{Frame, Hello, Incarnation, NodeId, PeerRole, Reassembler, Status};
+use weft_wire::{
+    DecodeError, Frame, Hello, Incarnation, NodeId, Payload, PeerRole, Reassembler, Response,
+    Status,
+};
 
 use crate::channel::{ChannelKind, IoError, LinkIo};
 use crate::endpoint::Inner;
@@ -314,7 +317,9 @@ impl Link {
                 match result {
                     Ok(Some(whole)) => self.dispatch(ep, peer, whole),
                     Ok(None) => {}
-                    Err(e) => self.refuse(e.status(), &e.to_string()),
+                    Err(e) => {
+                        self.on_malformed(&e, "malformed message");
+                    }
                 }
             }
             Frame::Request(req) => ep.on_request(self, peer, req),
@@ -342,6 +347,30 @@ impl Link {
                 "handshake frame on an established link",
             ),
         }
+    }
+
+    /// Called by the channel (or the reassembler) for bytes that did not
+    /// decode. A request whose head is invalid (an invalid service name, say)
+    /// was consumed whole and names its call: on an established link it is
+    /// answered BadRequest and the link goes on (returns true). Anything else
+    /// means the stream cannot be trusted: the peer is told why and the link
+    /// closes (returns false).
+    pub(crate) fn on_malformed(self: &Arc<Self>, e: &DecodeError, what: &str) -> bool {
+        if let DecodeError::BadRequest { call_id, reason } = e {
+            if self.peer_ref().is_some() {
+                tracing::warn!(link = self.id, call_id, "bad request: {reason}");
+                let _ = self.send(Frame::Response(Response {
+                    call_id: *call_id,
+                    status: Status::BadRequest,
+                    detail: format!("malformed request: {reason}"),
+                    tx: None,
+                    payload: Payload::empty(),
+                }));
+                return true;
+            }
+        }
+        self.refuse(e.status(), &format!("{what}: {e}"));
+        false
     }
 
     /// Tells the peer why the link is being closed, then closes it.

@@ -219,12 +219,10 @@ impl TcpIo {
                                 None => return,
                             },
                             Ok(None) => break,
-                            Err(e) => {
-                                if let Some(l) = link.upgrade() {
-                                    l.refuse(e.status(), &format!("malformed frame: {e}"));
-                                }
-                                return;
-                            }
+                            Err(e) => match link.upgrade() {
+                                Some(l) if l.on_malformed(&e, "malformed frame") => {}
+                                _ => return,
+                            },
                         }
                     }
                 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use weft_transport::*;
+use weft_wire::codec::HEADER_LEN;
 use weft_wire::*;
 
 /// A request handler: `echo` answers with the payload, `double` with the
@@ -506,6 +507,103 @@ async fn read_frame(sock: &mut tokio::net::TcpStream) -> Option<Frame> {
         }
         buf.extend_from_slice(&chunk[..n]);
     }
+}
+
+/// A raw TCP peer that speaks frames by hand.
+struct RawPeer {
+    sock: tokio::net::TcpStream,
+    buf: BytesMut,
+}
+
+impl RawPeer {
+    /// Connects to `addr` and completes the handshake as member `node`.
+    async fn join(addr: std::net::SocketAddr, node: u32, secret: &[u8]) -> RawPeer {
+        let sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut peer = RawPeer {
+            sock,
+            buf: BytesMut::new(),
+        };
+        let hello = Hello {
+            node: NodeId(node),
+            incarnation: Incarnation(1),
+            role: PeerRole::Node,
+            nonce: [node as u8; 16],
+            max_frame: 1 << 20,
+            max_message: 64 << 20,
+        };
+        peer.send(&Frame::Hello(hello.clone())).await;
+        let Some(Frame::Hello(theirs)) = peer.next().await else {
+            panic!("no Hello")
+        };
+        assert!(matches!(peer.next().await, Some(Frame::Auth(_))));
+        let proof = auth::proof(secret, &hello, &theirs.nonce);
+        peer.send(&Frame::Auth(Auth { proof })).await;
+        peer
+    }
+
+    async fn send(&mut self, frame: &Frame) {
+        let mut out = BytesMut::new();
+        encode_frame(frame, &mut out).unwrap();
+        self.sock.write_all(&out).await.unwrap();
+    }
+
+    /// The next frame, or `None` once the connection closed or stayed
+    /// silent for 5 s.
+    async fn next(&mut self) -> Option<Frame> {
+        loop {
+            if let Some(f) = decode_frame(&mut self.buf, &Limits::default()).unwrap() {
+                return Some(f);
+            }
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(5), self.sock.read(&mut chunk))
+                .await
+                .ok()?
+                .ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// The response to `call_id`, skipping whatever else the node sends.
+    async fn response(&mut self, call_id: u64) -> Response {
+        loop {
+            match self.next().await {
+                Some(Frame::Response(r)) if r.call_id == call_id => return r,
+                Some(Frame::Refused(r)) => panic!("refused: {r:?}"),
+                Some(_) => {}
+                None => panic!("closed before the response to {call_id}"),
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_an_invalid_service_name_gets_bad_request_on_a_live_link() {
+    let a = start(tcp_cfg(1, b"k")).await;
+    let mut peer = RawPeer::join(a.listen_addr().unwrap(), 9, b"k").await;
+    // A service name no node could register ('/' is not allowed): encoded
+    // with a valid placeholder of the same length, rewritten, re-checksummed.
+    let mut req = request("nosuch", 1, Payload::empty());
+    req.call_id = 7;
+    let mut out = BytesMut::new();
+    encode_frame(&Frame::Request(req), &mut out).unwrap();
+    let at = out.windows(6).position(|w| w == b"nosuch").unwrap();
+    out[at..at + 6].copy_from_slice(b"no/suc");
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[0..8]), &out[HEADER_LEN..]);
+    out[8..12].copy_from_slice(&crc.to_le_bytes());
+    peer.sock.write_all(&out).await.unwrap();
+    let r = peer.response(7).await;
+    assert_eq!(r.status, Status::BadRequest, "{r:?}");
+    assert!(r.detail.contains("service name"), "{r:?}");
+    // The link is still up and serving.
+    let mut echo = request("echo", 1, Payload::bytes(vec![5u8; 3]));
+    echo.call_id = 8;
+    peer.send(&Frame::Request(echo)).await;
+    let r = peer.response(8).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert!(a.refusals().is_empty(), "{:?}", a.refusals());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -116,6 +116,17 @@ pub enum DecodeError {
     /// partial messages, a fragment inside a fragment).
     #[error("fragment: {0}")]
     Fragment(String),
+    /// A whole, checksummed Request whose head does not decode (an invalid
+    /// service name, say), though its call id does: the frame was consumed,
+    /// the stream is still in step, and the caller can be answered
+    /// BadRequest by call id instead of losing its link.
+    #[error("request {call_id}: {reason}")]
+    BadRequest {
+        /// The call to answer.
+        call_id: u64,
+        /// The decoder's complaint.
+        reason: String,
+    },
 }
 
 impl DecodeError {
@@ -123,6 +134,7 @@ impl DecodeError {
     pub fn status(&self) -> Status {
         match self {
             DecodeError::TooLarge { .. } => Status::TooLarge,
+            DecodeError::BadRequest { .. } => Status::BadRequest,
             _ => Status::ProtocolError,
         }
     }
@@ -137,6 +149,40 @@ struct RequestHead {
     budget_us: Option<u64>,
     tx: Option<TxContext>,
     flags: u32,
+}
+
+/// The front of a [`RequestHead`] with the service name unchecked, to say
+/// what was wrong with a request that did not decode.
+#[derive(Deserialize)]
+struct RequestHeadFront {
+    call_id: u64,
+    service: String,
+}
+
+/// Turns the failure to decode a Request's head into
+/// [`DecodeError::BadRequest`] when its call id reads (it leads the head),
+/// naming an invalid service name when that is the trouble.
+fn bad_request(e: DecodeError, body: &Bytes) -> DecodeError {
+    let DecodeError::Body { reason, .. } = &e else {
+        return e;
+    };
+    if let Ok((front, _)) = postcard::take_from_bytes::<RequestHeadFront>(body) {
+        let reason = match ServiceName::new(front.service) {
+            Err(invalid) => invalid.to_string(),
+            Ok(_) => reason.clone(),
+        };
+        return DecodeError::BadRequest {
+            call_id: front.call_id,
+            reason,
+        };
+    }
+    match postcard::take_from_bytes::<u64>(body) {
+        Ok((call_id, _)) => DecodeError::BadRequest {
+            call_id,
+            reason: reason.clone(),
+        },
+        Err(_) => e,
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -331,8 +377,10 @@ pub fn encode_message(
 /// Returns `Ok(None)` when `buf` does not yet hold a whole frame (read more).
 ///
 /// Fails with a [`DecodeError`] for malformed input; the stream cannot be
-/// resynchronised after that and the link should be closed. A frame larger
-/// than `limits.max_frame` is rejected as soon as its header arrives.
+/// resynchronised after that and the link should be closed, except after
+/// [`DecodeError::BadRequest`]: that frame was consumed whole, and the next
+/// one decodes. A frame larger than `limits.max_frame` is rejected as soon
+/// as its header arrives.
 pub fn decode_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Frame>, DecodeError> {
     let Some(body_len) = check_header(buf, limits)? else {
         return Ok(None);
@@ -455,7 +503,7 @@ fn decode_body(kind: FrameKind, body: Bytes) -> Result<Frame, DecodeError> {
         FrameKind::Heartbeat => Frame::Heartbeat(whole(kind, &body)?),
         FrameKind::Goodbye => Frame::Goodbye(whole(kind, &body)?),
         FrameKind::Request => {
-            let (h, rest) = head::<RequestHead>(kind, &body)?;
+            let (h, rest) = head::<RequestHead>(kind, &body).map_err(|e| bad_request(e, &body))?;
             Frame::Request(Request {
                 call_id: h.call_id,
                 service: h.service,

@@ -326,6 +326,64 @@ fn a_message_over_the_receivers_limit_is_refused_at_the_sender() {
     assert_eq!(result, Some(frame));
 }
 
+/// A Request frame for service `name`, which may be invalid: encoded with
+/// a valid name of the same length, then rewritten and re-checksummed.
+fn request_named(call_id: u64, name: &str) -> BytesMut {
+    let placeholder = "x".repeat(name.len());
+    let frame = Frame::Request(Request {
+        call_id,
+        service: ServiceName::new(placeholder.clone()).unwrap(),
+        instance: 0,
+        node: NodeId(1),
+        budget_us: None,
+        tx: None,
+        flags: 0,
+        payload: Payload::bytes(vec![1, 2, 3]),
+    });
+    let mut out = encode(&frame);
+    let at = out[HEADER_LEN..]
+        .windows(name.len())
+        .position(|w| w == placeholder.as_bytes())
+        .expect("the name is in the head")
+        + HEADER_LEN;
+    out[at..at + name.len()].copy_from_slice(name.as_bytes());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[0..8]), &out[HEADER_LEN..]);
+    out[8..12].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+#[test]
+fn a_request_with_an_invalid_service_name_is_answerable_and_the_stream_goes_on() {
+    let mut stream = request_named(42, "no/such");
+    encode_frame(&Frame::Goodbye(Goodbye { reason: "x".into() }), &mut stream).unwrap();
+    match decode_frame(&mut stream, &Limits::default()) {
+        Err(DecodeError::BadRequest { call_id, reason }) => {
+            assert_eq!(call_id, 42);
+            assert!(reason.contains("service name"), "{reason}");
+        }
+        other => panic!("expected BadRequest, got {other:?}"),
+    }
+    assert_eq!(
+        DecodeError::BadRequest {
+            call_id: 1,
+            reason: String::new()
+        }
+        .status(),
+        Status::BadRequest
+    );
+    // The bad frame was consumed whole: the next one decodes.
+    assert_eq!(
+        decode_frame(&mut stream, &Limits::default()).unwrap(),
+        Some(Frame::Goodbye(Goodbye { reason: "x".into() }))
+    );
+    // A valid name in the same frame decodes as a request.
+    let mut ok = request_named(43, "nosuch1");
+    assert!(matches!(
+        decode_frame(&mut ok, &Limits::default()),
+        Ok(Some(Frame::Request(r))) if r.call_id == 43 && r.service.as_str() == "nosuch1"
+    ));
+}
+
 #[test]
 fn unknown_version_and_kind_are_named() {
     let mut bytes = encode(&Frame::Goodbye(Goodbye { reason: "x".into() }));

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BytesMut};
 use parking_lot::Mutex;
 use tokio::net::UnixStream;
-use weft_wire::{decode_frame, encode_message, Frame, Limits, Status};
+use weft_wire::{decode_frame, encode_message, DecodeError, Frame, Limits, Status};
 
 use super::mem::{self, Segment};
 use super::poll;
@@ -74,6 +74,12 @@ pub(crate) trait Deliver: Send + Sync + 'static {
     fn closed(&self, reason: &str);
     /// The peer sent bytes that cannot be used: tell it why and close.
     fn refuse(&self, status: Status, reason: &str);
+    /// A frame did not decode. Returns true when the stream goes on (a bad
+    /// request answered by call id), false when the link was refused.
+    fn malformed(&self, e: &DecodeError) -> bool {
+        self.refuse(e.status(), &format!("malformed frame on shm: {e}"));
+        false
+    }
 }
 
 /// Delivers to a link.
@@ -100,6 +106,12 @@ impl Deliver for ToLink {
         if let Some(link) = self.0.upgrade() {
             link.refuse(status, reason);
         }
+    }
+
+    fn malformed(&self, e: &DecodeError) -> bool {
+        self.0
+            .upgrade()
+            .is_some_and(|link| link.on_malformed(e, "malformed frame on shm"))
     }
 }
 
@@ -446,8 +458,10 @@ impl Channel {
                 }
                 Ok(None) => break,
                 Err(e) => {
+                    if target.malformed(&e) {
+                        continue; // consumed whole and answered
+                    }
                     inc.buf.clear();
-                    target.refuse(e.status(), &format!("malformed frame on shm: {e}"));
                     self.close();
                     break;
                 }
