@@ -25,7 +25,7 @@ use crate::frame::*;
 use crate::ids::{NodeId, ServiceName};
 use crate::payload::{encode_postcard, EncodeError, Payload};
 use crate::status::Status;
-use crate::txctx::{TxContext, TxReturn};
+use crate::txctx::{TxContext, TxReturn, MAX_BAGGAGE_ENTRIES};
 
 /// The two magic bytes that start every frame.
 pub const MAGIC: [u8; 2] = *b"wf";
@@ -152,10 +152,10 @@ struct RequestHead {
 }
 
 /// The front of a [`RequestHead`] with the service name unchecked, to say
-/// what was wrong with a request that did not decode.
+/// what was wrong with a request whose head did not decode.
 #[derive(Deserialize)]
 struct RequestHeadFront {
-    call_id: u64,
+    _call_id: u64,
     service: String,
 }
 
@@ -166,22 +166,15 @@ fn bad_request(e: DecodeError, body: &Bytes) -> DecodeError {
     let DecodeError::Body { reason, .. } = &e else {
         return e;
     };
-    if let Ok((front, _)) = postcard::take_from_bytes::<RequestHeadFront>(body) {
-        let reason = match ServiceName::new(front.service) {
-            Err(invalid) => invalid.to_string(),
-            Ok(_) => reason.clone(),
-        };
-        return DecodeError::BadRequest {
-            call_id: front.call_id,
-            reason,
-        };
-    }
-    match postcard::take_from_bytes::<u64>(body) {
-        Ok((call_id, _)) => DecodeError::BadRequest {
-            call_id,
-            reason: reason.clone(),
-        },
-        Err(_) => e,
+    let Ok((call_id, _)) = postcard::take_from_bytes::<u64>(body) else {
+        return e;
+    };
+    let invalid_name = postcard::take_from_bytes::<RequestHeadFront>(body)
+        .ok()
+        .and_then(|(front, _)| ServiceName::new(front.service).err());
+    DecodeError::BadRequest {
+        call_id,
+        reason: invalid_name.map_or_else(|| reason.clone(), |e| e.to_string()),
     }
 }
 
@@ -504,6 +497,15 @@ fn decode_body(kind: FrameKind, body: Bytes) -> Result<Frame, DecodeError> {
         FrameKind::Goodbye => Frame::Goodbye(whole(kind, &body)?),
         FrameKind::Request => {
             let (h, rest) = head::<RequestHead>(kind, &body).map_err(|e| bad_request(e, &body))?;
+            let entries = h.tx.as_ref().map_or(0, |tx| tx.baggage.0.len());
+            if entries > MAX_BAGGAGE_ENTRIES {
+                return Err(DecodeError::BadRequest {
+                    call_id: h.call_id,
+                    reason: format!(
+                        "{entries} baggage entries exceed the maximum of {MAX_BAGGAGE_ENTRIES}"
+                    ),
+                });
+            }
             Frame::Request(Request {
                 call_id: h.call_id,
                 service: h.service,

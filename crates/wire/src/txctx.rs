@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{SubPath, Tid, Xid};
 
-/// Maximum number of baggage entries carried by one context.
+/// Maximum number of baggage entries carried by one context. A request
+/// carrying more is answered BadRequest.
 pub const MAX_BAGGAGE_ENTRIES: usize = 64;
 
 /// One typed piece of per-transaction metadata: a key naming its owner and

@@ -4,6 +4,7 @@
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use weft_wire::codec::{HEADER_LEN, MAGIC, VERSION};
+use weft_wire::txctx::MAX_BAGGAGE_ENTRIES;
 use weft_wire::*;
 
 fn arb_name() -> impl Strategy<Value = ServiceName> {
@@ -382,6 +383,43 @@ fn a_request_with_an_invalid_service_name_is_answerable_and_the_stream_goes_on()
         decode_frame(&mut ok, &Limits::default()),
         Ok(Some(Frame::Request(r))) if r.call_id == 43 && r.service.as_str() == "nosuch1"
     ));
+}
+
+#[test]
+fn a_request_over_the_baggage_limit_is_answerable() {
+    let with_baggage = |call_id: u64, entries: usize| {
+        let mut tx = TxContext::new(Tid::new(NodeId(1), Incarnation(1), 5));
+        tx.baggage = Baggage(
+            (0..entries)
+                .map(|i| BaggageItem {
+                    key: format!("k{i}"),
+                    value: Bytes::from_static(b"v"),
+                })
+                .collect(),
+        );
+        encode(&Frame::Request(Request {
+            call_id,
+            service: ServiceName::new("svc").unwrap(),
+            instance: 0,
+            node: NodeId(1),
+            budget_us: None,
+            tx: Some(tx),
+            flags: 0,
+            payload: Payload::empty(),
+        }))
+    };
+    let mut at_limit = with_baggage(1, MAX_BAGGAGE_ENTRIES);
+    assert!(matches!(
+        decode_frame(&mut at_limit, &Limits::default()),
+        Ok(Some(Frame::Request(r))) if r.tx.as_ref().unwrap().baggage.0.len() == MAX_BAGGAGE_ENTRIES
+    ));
+    let mut over = with_baggage(2, MAX_BAGGAGE_ENTRIES + 1);
+    match decode_frame(&mut over, &Limits::default()) {
+        Err(DecodeError::BadRequest { call_id: 2, reason }) => {
+            assert!(reason.contains("65 baggage entries"), "{reason}")
+        }
+        other => panic!("expected BadRequest, got {other:?}"),
+    }
 }
 
 #[test]
