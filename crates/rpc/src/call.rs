@@ -440,7 +440,7 @@ impl Rpc {
             self.service(&req.service, req.instance)
         };
         if !relay && service.is_none() {
-            return failure_response(self.no_such_service(&req.service, req.instance));
+            return Response::failure(0, self.no_such_service(&req.service, req.instance));
         }
         let participant: Option<(Arc<dyn Resource>, ParticipationClass)> = service
             .as_ref()
@@ -448,7 +448,7 @@ impl Rpc {
         let guard = match &req.tx {
             Some(ctx) => match self.inner.tm.on_call_in(ctx, from, participant).await {
                 Ok(g) => Some(g),
-                Err(f) => return failure_response(f),
+                Err(f) => return Response::failure(0, f),
             },
             None => None,
         };
@@ -498,19 +498,9 @@ impl Rpc {
             },
             Err(f) => Response {
                 tx: tx_return,
-                ..failure_response(f)
+                ..Response::failure(0, f)
             },
         }
-    }
-}
-
-fn failure_response(f: Failure) -> Response {
-    Response {
-        call_id: 0,
-        status: f.status,
-        detail: f.detail,
-        tx: None,
-        payload: Payload::empty(),
     }
 }
 

@@ -184,41 +184,31 @@ impl Responder {
         // An answer the caller's side would refuse (too large) or that cannot
         // be encoded becomes a failure, so the caller is not left waiting.
         let failure = match self.link.send(Frame::Response(response)) {
-            Err(IoError::TooLarge(e)) => (Status::TooLarge, format!("the answer: {e}")),
-            Err(IoError::Encode(e)) => (Status::Internal, format!("the answer: {e}")),
+            Err(IoError::TooLarge(e)) => Failure::new(Status::TooLarge, format!("the answer: {e}")),
+            Err(IoError::Encode(e)) => Failure::new(Status::Internal, format!("the answer: {e}")),
             Ok(()) | Err(IoError::Closed) | Err(IoError::Full) => return,
         };
-        let _ = self.link.send(Frame::Response(Response {
-            call_id: self.call_id,
-            status: failure.0,
-            detail: failure.1,
-            tx: None,
-            payload: Payload::empty(),
-        }));
+        let _ = self
+            .link
+            .send(Frame::Response(Response::failure(self.call_id, failure)));
     }
 
     /// Sends a failure response.
     pub fn fail(self, failure: Failure) {
-        self.respond(Response {
-            call_id: 0,
-            status: failure.status,
-            detail: failure.detail,
-            tx: None,
-            payload: Payload::empty(),
-        });
+        self.respond(Response::failure(0, failure));
     }
 }
 
 impl Drop for Responder {
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.link.send(Frame::Response(Response {
-                call_id: self.call_id,
-                status: Status::Internal,
-                detail: "the request was dropped without an answer".into(),
-                tx: None,
-                payload: Payload::empty(),
-            }));
+            let _ = self.link.send(Frame::Response(Response::failure(
+                self.call_id,
+                Failure::new(
+                    Status::Internal,
+                    "the request was dropped without an answer",
+                ),
+            )));
         }
     }
 }

@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
 use weft_wire::{
-    DecodeError, Frame, Hello, Incarnation, NodeId, Payload, PeerRole, Reassembler, Response,
+    DecodeError, Failure, Frame, Hello, Incarnation, NodeId, PeerRole, Reassembler, Response,
     Status,
 };
 
@@ -359,13 +359,10 @@ impl Link {
         if let DecodeError::BadRequest { call_id, reason } = e {
             if self.peer_ref().is_some() {
                 tracing::warn!(link = self.id, call_id, "bad request: {reason}");
-                let _ = self.send(Frame::Response(Response {
-                    call_id: *call_id,
-                    status: Status::BadRequest,
-                    detail: format!("malformed request: {reason}"),
-                    tx: None,
-                    payload: Payload::empty(),
-                }));
+                let _ = self.send(Frame::Response(Response::failure(
+                    *call_id,
+                    Failure::new(Status::BadRequest, format!("malformed request: {reason}")),
+                )));
                 return true;
             }
         }

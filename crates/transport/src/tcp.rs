@@ -117,6 +117,13 @@ impl TcpIo {
         let _ = self.stream.get_ref().shutdown(std::net::Shutdown::Both);
     }
 
+    /// The writer of the moment found the socket broken: marks the link
+    /// closed (later sends fail at once) and shuts the socket down.
+    fn abandon(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.shut();
+    }
+
     /// The writer's last act once the link is closed: best effort, whatever
     /// the kernel takes now of what is queued (such as the Refused frame
     /// that says why) goes out, then the socket is shut down. Never waits
@@ -158,8 +165,7 @@ impl TcpIo {
                             ready = self.stream.writable() => match ready {
                                 Ok(mut ready) => ready.clear_ready(),
                                 Err(_) => {
-                                    self.closed.store(true, Ordering::Release);
-                                    self.shut();
+                                    self.abandon();
                                     self.fail(&link, "socket not writable");
                                     return;
                                 }
@@ -169,8 +175,7 @@ impl TcpIo {
                         }
                     }
                     Err(e) => {
-                        self.closed.store(true, Ordering::Release);
-                        self.shut();
+                        self.abandon();
                         self.fail(&link, &format!("write failed: {e}"));
                         return;
                     }
@@ -290,8 +295,7 @@ impl LinkIo for TcpIo {
                 }
                 Err(_) => {
                     // The reader notices the broken socket and closes the link.
-                    self.closed.store(true, Ordering::Release);
-                    self.shut();
+                    self.abandon();
                     return Err(IoError::Closed);
                 }
             }

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{Incarnation, NodeId, ServiceName};
 use crate::payload::Payload;
-use crate::status::Status;
+use crate::status::{Failure, Status};
 use crate::txctx::{TxContext, TxReturn};
 
 /// Frame kind byte.
@@ -145,6 +145,20 @@ pub struct Response {
     pub tx: Option<TxReturn>,
     /// The response body (empty unless Ok or AppError).
     pub payload: Payload,
+}
+
+impl Response {
+    /// The response that reports `failure` for call `call_id`: no
+    /// transaction information, no body.
+    pub fn failure(call_id: u64, failure: Failure) -> Response {
+        Response {
+            call_id,
+            status: failure.status,
+            detail: failure.detail,
+            tx: None,
+            payload: Payload::empty(),
+        }
+    }
 }
 
 /// A one-way protocol message.
