@@ -199,7 +199,7 @@ struct FragmentHead {
 }
 
 /// Appends one frame (header and body) to `out`, whatever its size; see
-/// [`encode_fragmented`] for links with a frame size limit.
+/// [`encode_message`] for links with frame and message size limits.
 ///
 /// Fails with [`EncodeError`] when a local payload cannot be encoded; `out` is
 /// then left as it was.
@@ -280,27 +280,6 @@ fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
     }
 }
 
-/// Appends `frame` to `out` as one frame if it fits in `max_frame` bytes, or
-/// as a sequence of [`Fragment`] frames (each at most `max_frame` bytes) whose
-/// chunks concatenate to the frame's encoding. `message_id` identifies the
-/// fragments; the caller supplies a fresh one per fragmented frame.
-///
-/// Fails with [`EncodeError`] when a local payload cannot be encoded.
-pub fn encode_fragmented(
-    frame: &Frame,
-    max_frame: usize,
-    message_id: u64,
-    out: &mut BytesMut,
-) -> Result<(), EncodeError> {
-    encode_message(frame, max_frame, usize::MAX, message_id, out).map_err(|e| match e {
-        MessageEncodeError::Encode(e) => e,
-        MessageEncodeError::TooLarge { len, max } => EncodeError {
-            type_name: "Frame",
-            reason: format!("{len} bytes exceed {max}"),
-        },
-    })
-}
-
 /// Failure of [`encode_message`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MessageEncodeError {
@@ -318,9 +297,12 @@ pub enum MessageEncodeError {
     Encode(#[from] EncodeError),
 }
 
-/// [`encode_fragmented`] for a receiver that accepts messages of at most
-/// `max_message` bytes (it announced so in its Hello). Leaves `out` as it
-/// was on failure.
+/// Appends `frame` to `out` as one frame if it fits in `max_frame` bytes, or
+/// as a sequence of [`Fragment`] frames (each at most `max_frame` bytes) whose
+/// chunks concatenate to the frame's encoding, for a receiver that accepts
+/// messages of at most `max_message` bytes (it announced both in its Hello).
+/// `message_id` identifies the fragments; the caller supplies a fresh one per
+/// fragmented frame. Leaves `out` as it was on failure.
 ///
 /// Fails with TooLarge when the frame's encoding exceeds `max_message`,
 /// Encode when a local payload cannot be encoded.
@@ -332,10 +314,7 @@ pub fn encode_message(
     out: &mut BytesMut,
 ) -> Result<(), MessageEncodeError> {
     let start = out.len();
-    if let Err(e) = encode_frame(frame, out) {
-        out.truncate(start);
-        return Err(e.into());
-    }
+    encode_frame(frame, out)?; // leaves `out` as it was on failure
     let len = out.len() - start;
     if len > max_message {
         out.truncate(start);

@@ -14,8 +14,8 @@ pub mod status;
 pub mod txctx;
 
 pub use codec::{
-    decode_exact, decode_frame, encode_fragmented, encode_frame, encode_message, DecodeError,
-    Limits, MessageEncodeError, Reassembler,
+    decode_exact, decode_frame, encode_frame, encode_message, DecodeError, Limits,
+    MessageEncodeError, Reassembler,
 };
 pub use frame::{
     Auth, Fragment, Frame, FrameKind, Goodbye, Heartbeat, Hello, Message, PeerRole, Port, Refused,

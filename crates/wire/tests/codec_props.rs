@@ -249,7 +249,7 @@ proptest! {
             other => other,
         };
         let mut out = BytesMut::new();
-        encode_fragmented(&frame, max_frame, 7, &mut out).unwrap();
+        encode_message(&frame, max_frame, usize::MAX, 7, &mut out).unwrap();
         let limits = Limits { max_frame, ..Limits::default() };
         let mut re = Reassembler::new(limits);
         let mut result = None;
