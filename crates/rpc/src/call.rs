@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
-use std::task::Context;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
@@ -49,7 +49,9 @@ struct RpcInner {
     endpoint: Endpoint,
     tm: TxManager,
     cfg: RpcConfig,
-    services: RwLock<HashMap<(ServiceName, u32), Arc<Service>>>,
+    /// By name, then instance: a request's name looks its service up
+    /// without being cloned into a key.
+    services: RwLock<HashMap<ServiceName, HashMap<u32, Arc<Service>>>>,
 }
 
 /// A node's RPC layer: its services and its calls. Cheap to clone.
@@ -200,17 +202,17 @@ impl Rpc {
                 format!("a {} service needs a participant", opts.class),
             ));
         }
-        let key = (name.clone(), opts.instance);
         {
             let mut services = self.inner.services.write();
-            if services.contains_key(&key) {
+            let instances = services.entry(name.clone()).or_default();
+            if instances.contains_key(&opts.instance) {
                 return Err(Failure::new(
                     Status::BadRequest,
                     format!("service {name}.{} is already registered", opts.instance),
                 ));
             }
-            services.insert(
-                key,
+            instances.insert(
+                opts.instance,
                 Arc::new(Service {
                     name,
                     instance: opts.instance,
@@ -261,12 +263,17 @@ impl Rpc {
         let Ok(name) = ServiceName::new(name) else {
             return false;
         };
-        let removed = self
-            .inner
-            .services
-            .write()
-            .remove(&(name, instance))
-            .is_some();
+        let removed = {
+            let mut services = self.inner.services.write();
+            let removed = services
+                .get_mut(&name)
+                .and_then(|instances| instances.remove(&instance))
+                .is_some();
+            if services.get(&name).is_some_and(|i| i.is_empty()) {
+                services.remove(&name);
+            }
+            removed
+        };
         if removed {
             self.advertise();
         }
@@ -280,6 +287,7 @@ impl Rpc {
             .services
             .read()
             .values()
+            .flat_map(|instances| instances.values())
             .map(|s| ServiceInfo {
                 name: s.name.to_string(),
                 instance: s.instance,
@@ -295,13 +303,15 @@ impl Rpc {
             .inner
             .services
             .read()
-            .keys()
-            .map(|(n, i)| {
-                if *i == 0 {
-                    n.to_string()
-                } else {
-                    format!("{n}.{i}")
-                }
+            .iter()
+            .flat_map(|(n, instances)| {
+                instances.keys().map(move |i| {
+                    if *i == 0 {
+                        n.to_string()
+                    } else {
+                        format!("{n}.{i}")
+                    }
+                })
             })
             .collect();
         self.inner.endpoint.set_services(names);
@@ -411,7 +421,8 @@ impl Rpc {
         self.inner
             .services
             .read()
-            .get(&(name.clone(), instance))
+            .get(name)
+            .and_then(|instances| instances.get(&instance))
             .cloned()
     }
 
@@ -473,13 +484,9 @@ impl Rpc {
             };
             let fut = service.handler.call(ctx, req.payload);
             match deadline {
-                Some(d) => match tokio::time::timeout_at(d.into(), fut).await {
-                    Ok(r) => r,
-                    Err(_) => Err(Failure::new(
-                        Status::TimedOut,
-                        "the handler ran past the deadline",
-                    )),
-                },
+                Some(d) => tokio::time::timeout_at(d.into(), fut)
+                    .await
+                    .unwrap_or_else(|_| Err(handler_timed_out())),
                 None => fut.await,
             }
         };
@@ -514,6 +521,11 @@ impl RequestHandler for Dispatch {
             return;
         };
         let rpc = Rpc { inner };
+        let relay = from.role == PeerRole::Client && request.node != rpc.node_id();
+        if request.tx.is_none() && !relay {
+            rpc.serve_plain(from, request, responder);
+            return;
+        }
         let span = match &request.tx {
             Some(t) => tracing::debug_span!("serve", tid = %t.tid, service = %request.service),
             None => tracing::debug_span!("serve", service = %request.service),
@@ -527,6 +539,72 @@ impl RequestHandler for Dispatch {
         );
         run_inline_then_spawn(fut);
     }
+}
+
+impl Rpc {
+    /// Serves a request that carries no transaction and is not relayed, the
+    /// common case, with what [`Rpc::serve`] does for it and nothing more:
+    /// the handler's future is polled once right here and, when it is ready
+    /// (an inline handler), answered at once; only a handler that must wait
+    /// is spawned, under the call's deadline. No transaction means nothing to
+    /// join and nothing to return but the payload or the status.
+    fn serve_plain(self, from: PeerRef, req: Request, responder: Responder) {
+        let span = tracing::debug_span!("serve", service = %req.service);
+        let _entered = span.enter();
+        let Some(service) = self.service(&req.service, req.instance) else {
+            responder.respond(Response::failure(
+                0,
+                self.no_such_service(&req.service, req.instance),
+            ));
+            return;
+        };
+        let deadline = req
+            .budget_us
+            .map(|us| Instant::now() + Duration::from_micros(us));
+        let ctx = CallContext {
+            rpc: self,
+            caller: from,
+            tx: None,
+            deadline,
+        };
+        let mut fut = service.handler.call(ctx, req.payload);
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        if let Poll::Ready(result) = fut.as_mut().poll(&mut cx) {
+            responder.respond(plain_response(result));
+            return;
+        }
+        drop(_entered);
+        tokio::spawn(
+            async move {
+                let result = match deadline {
+                    Some(d) => tokio::time::timeout_at(d.into(), fut)
+                        .await
+                        .unwrap_or_else(|_| Err(handler_timed_out())),
+                    None => fut.await,
+                };
+                responder.respond(plain_response(result));
+            }
+            .instrument(span),
+        );
+    }
+}
+
+/// The response to a call made outside any transaction.
+fn plain_response(result: Result<Payload, Failure>) -> Response {
+    match result {
+        Ok(payload) => Response {
+            call_id: 0,
+            status: Status::Ok,
+            detail: String::new(),
+            tx: None,
+            payload,
+        },
+        Err(f) => Response::failure(0, f),
+    }
+}
+
+fn handler_timed_out() -> Failure {
+    Failure::new(Status::TimedOut, "the handler ran past the deadline")
 }
 
 /// Polls a future once in the caller's context (direct control passing: a
