@@ -325,7 +325,7 @@ impl Endpoint {
             me: RwLock::new(me.clone()),
             peers: Mutex::new(HashMap::new()),
             links: Mutex::new(HashMap::new()),
-            calls: Arc::new(Calls::new()),
+            calls: Calls::start(),
             handlers: RwLock::new(Handlers::default()),
             naming: Mutex::new(NamingState {
                 directory: (cfg.role == PeerRole::Node).then_some(cfg.node),
@@ -508,7 +508,9 @@ impl Endpoint {
             let left = d.saturating_duration_since(Instant::now());
             request.budget_us = Some(left.as_micros().min(u64::MAX as u128) as u64);
         }
-        let rx = inner.calls.insert(id, target);
+        // The table fails the call with TimedOut at the deadline: no timer
+        // per call (see the calls module).
+        let rx = inner.calls.insert(id, target, to, deadline);
         let mut guard = CallGuard {
             calls: inner.calls.clone(),
             id,
@@ -519,18 +521,7 @@ impl Endpoint {
             guard.armed = false;
             return Err(f);
         }
-        let outcome = match deadline {
-            Some(d) => match tokio::time::timeout_at(d.into(), rx).await {
-                Ok(r) => r,
-                Err(_) => {
-                    return Err(Failure::new(
-                        Status::TimedOut,
-                        format!("no answer from node {to} before the deadline"),
-                    ))
-                }
-            },
-            None => rx.await,
-        };
+        let outcome = rx.await;
         guard.armed = false;
         match outcome {
             Ok(result) => result,
