@@ -140,7 +140,8 @@ impl DecodeError {
     }
 }
 
-#[derive(Serialize, Deserialize)]
+/// Decoded; encoded through [`RequestHeadRef`].
+#[derive(Deserialize)]
 struct RequestHead {
     call_id: u64,
     service: ServiceName,
@@ -148,6 +149,20 @@ struct RequestHead {
     node: NodeId,
     budget_us: Option<u64>,
     tx: Option<TxContext>,
+    flags: u32,
+}
+
+/// [`RequestHead`] as it is encoded: the same fields in the same order,
+/// borrowed from the request (postcard writes a reference as the value), so
+/// that encoding copies no name and no transaction context.
+#[derive(Serialize)]
+struct RequestHeadRef<'a> {
+    call_id: u64,
+    service: &'a ServiceName,
+    instance: u32,
+    node: NodeId,
+    budget_us: Option<u64>,
+    tx: &'a Option<TxContext>,
     flags: u32,
 }
 
@@ -178,12 +193,22 @@ fn bad_request(e: DecodeError, body: &Bytes) -> DecodeError {
     }
 }
 
-#[derive(Serialize, Deserialize)]
+/// Decoded; encoded through [`ResponseHeadRef`].
+#[derive(Deserialize)]
 struct ResponseHead {
     call_id: u64,
     status: Status,
     detail: String,
     tx: Option<TxReturn>,
+}
+
+/// [`ResponseHead`] as it is encoded, borrowed (see [`RequestHeadRef`]).
+#[derive(Serialize)]
+struct ResponseHeadRef<'a> {
+    call_id: u64,
+    status: Status,
+    detail: &'a str,
+    tx: &'a Option<TxReturn>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -241,24 +266,24 @@ fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
         Frame::Heartbeat(h) => encode_postcard(h, out),
         Frame::Goodbye(g) => encode_postcard(g, out),
         Frame::Request(r) => {
-            let head = RequestHead {
+            let head = RequestHeadRef {
                 call_id: r.call_id,
-                service: r.service.clone(),
+                service: &r.service,
                 instance: r.instance,
                 node: r.node,
                 budget_us: r.budget_us,
-                tx: r.tx.clone(),
+                tx: &r.tx,
                 flags: r.flags,
             };
             encode_postcard(&head, out)?;
             r.payload.write_to(out)
         }
         Frame::Response(r) => {
-            let head = ResponseHead {
+            let head = ResponseHeadRef {
                 call_id: r.call_id,
                 status: r.status,
-                detail: r.detail.clone(),
-                tx: r.tx.clone(),
+                detail: &r.detail,
+                tx: &r.tx,
             };
             encode_postcard(&head, out)?;
             r.payload.write_to(out)
