@@ -21,6 +21,35 @@ use weft_wire::{Address, Failure, Incarnation, NodeId, Status};
 
 use crate::admin;
 
+/// The name prefix of a node's temporary data directory (a node started
+/// without a data directory): `weft-node-<uid>-<pid>-`, so that the
+/// directories of a killed process can be told from a live one's.
+fn temp_dir_prefix(pid: u32) -> String {
+    format!("weft-node-{}-{pid}-", weft_transport::shm::current_uid())
+}
+
+/// Removes, under `base`, the temporary data directories this user's nodes
+/// left behind when their process was killed (a SIGKILL skips the removal
+/// an orderly stop does; each holds a preallocated log segment). Only
+/// directories named by [`temp_dir_prefix`] for a process that no longer
+/// exists are touched; a reused pid only keeps a directory longer. Returns
+/// how many were removed; errors (another user's directory, a race with
+/// another sweeper) are skipped, never reported.
+fn sweep_stale_temp_dirs(base: &Path) -> usize {
+    let own = format!("weft-node-{}-", weft_transport::shm::current_uid());
+    let mut removed = 0;
+    for entry in weft_transport::shm::leftovers_of_dead_processes(base, &own) {
+        let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+        if is_dir && std::fs::remove_dir_all(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        tracing::info!(dir = %base.display(), removed, "removed temporary data directories of killed nodes");
+    }
+    removed
+}
+
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -191,8 +220,9 @@ impl NodeBuilder {
         let (dir, temp) = match &self.data_dir {
             Some(d) => (d.clone(), None),
             None => {
+                sweep_stale_temp_dirs(&std::env::temp_dir());
                 let t = tempfile::Builder::new()
-                    .prefix("weft-node-")
+                    .prefix(&temp_dir_prefix(std::process::id()))
                     .tempdir()
                     .map_err(|e| NodeError::DataDir {
                         dir: std::env::temp_dir(),
@@ -495,5 +525,40 @@ impl Node {
         for p in &self.inner.plugins {
             p.crash();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_temp_dirs_of_dead_processes_are_swept() {
+        let base = tempfile::tempdir().expect("temporary directory");
+        let dead = {
+            let mut child = std::process::Command::new("true")
+                .spawn()
+                .expect("spawn true");
+            let pid = child.id();
+            child.wait().expect("wait for true");
+            pid
+        };
+        let make = |pid: u32, tail: &str| {
+            let dir = base.path().join(format!("{}{tail}", temp_dir_prefix(pid)));
+            std::fs::create_dir_all(dir.join("log")).expect("create");
+            std::fs::write(dir.join("log").join("segment"), b"x").expect("write");
+            dir
+        };
+        let of_dead = make(dead, "aaaa");
+        let of_me = make(std::process::id(), "bbbb");
+        let of_init = make(1, "cccc");
+        let unnamed = base.path().join("weft-node-Xy12Zq");
+        std::fs::create_dir(&unnamed).expect("create");
+        assert_eq!(sweep_stale_temp_dirs(base.path()), 1);
+        assert!(!of_dead.exists(), "a killed process's directory is removed");
+        for kept in [&of_me, &of_init, &unnamed] {
+            assert!(kept.exists(), "{} must stay", kept.display());
+        }
+        assert_eq!(sweep_stale_temp_dirs(base.path()), 0);
     }
 }

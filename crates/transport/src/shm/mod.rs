@@ -26,11 +26,38 @@ mod ring;
 mod setup;
 mod wait;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub use poll::BusyPoll;
 pub(crate) use setup::{consider_upgrade, listen, resolve};
+
+/// This process's real user id. Never fails.
+pub fn current_uid() -> u32 {
+    mem::uid()
+}
+
+/// The entries of `dir` named `<prefix><pid>-...` whose process `pid` is
+/// gone (never this process's own): the leftovers of killed processes,
+/// for the caller to remove. An unreadable directory has none.
+pub fn leftovers_of_dead_processes(dir: &Path, prefix: &str) -> Vec<std::fs::DirEntry> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter(|entry| {
+            let name = entry.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+                return false;
+            };
+            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+                return false;
+            };
+            pid != std::process::id() && !mem::process_alive(pid)
+        })
+        .collect()
+}
 
 use crate::channel::ChannelKind;
 use crate::endpoint::Endpoint;

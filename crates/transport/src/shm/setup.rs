@@ -69,21 +69,8 @@ fn rendezvous_dir(cfg: &ShmConfig) -> PathBuf {
 /// many were removed.
 pub(crate) fn sweep_stale(dir: &Path) -> usize {
     let own = format!("{PREFIX}{}-", mem::uid());
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
     let mut removed = 0;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&own)) else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid == std::process::id() || mem::process_alive(pid) {
-            continue;
-        }
+    for entry in super::leftovers_of_dead_processes(dir, &own) {
         let owned = entry
             .metadata()
             .map(|m| m.uid() == mem::uid())
