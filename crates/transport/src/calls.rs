@@ -180,23 +180,28 @@ impl Calls {
         self.shard(id).lock().remove(&id);
     }
 
+    /// Removes every call matching `pred` (seen once per call, shard by
+    /// shard) and returns them, for the caller to fail.
+    fn take_where(&self, mut pred: impl FnMut(&Pending) -> bool) -> Vec<Pending> {
+        let mut taken = Vec::new();
+        for shard in &self.shards {
+            let mut s = shard.lock();
+            let ids: Vec<u64> = s
+                .iter()
+                .filter(|(_, p)| pred(p))
+                .map(|(id, _)| *id)
+                .collect();
+            taken.extend(ids.into_iter().filter_map(|id| s.remove(&id)));
+        }
+        taken
+    }
+
     /// Fails every call matching `pred` with `failure`.
     fn fail_where(&self, failure: &Failure, pred: impl Fn(&Pending) -> bool) -> usize {
-        let mut n = 0;
-        for shard in &self.shards {
-            let victims: Vec<Pending> = {
-                let mut s = shard.lock();
-                let ids: Vec<u64> = s
-                    .iter()
-                    .filter(|(_, p)| pred(p))
-                    .map(|(id, _)| *id)
-                    .collect();
-                ids.into_iter().filter_map(|id| s.remove(&id)).collect()
-            };
-            for p in victims {
-                n += 1;
-                let _ = p.tx.send(Err(failure.clone()));
-            }
+        let victims = self.take_where(pred);
+        let n = victims.len();
+        for p in victims {
+            let _ = p.tx.send(Err(failure.clone()));
         }
         n
     }
@@ -230,32 +235,22 @@ impl Calls {
         // the sweeper), so no deadline is ever left unwatched.
         self.next_sweep.store(NEVER, Ordering::SeqCst);
         let mut earliest = NEVER;
-        let mut n = 0;
-        for shard in &self.shards {
-            let victims: Vec<Pending> = {
-                let mut s = shard.lock();
-                let ids: Vec<u64> = s
-                    .iter()
-                    .filter_map(|(id, p)| match p.deadline {
-                        Some(d) if d <= now => Some(*id),
-                        Some(d) => {
-                            earliest = earliest.min(self.nanos(d));
-                            None
-                        }
-                        None => None,
-                    })
-                    .collect();
-                ids.into_iter().filter_map(|id| s.remove(&id)).collect()
-            };
-            for p in victims {
-                n += 1;
-                let _ = p.tx.send(Err(Failure::new(
-                    Status::TimedOut,
-                    format!("no answer from node {} before the deadline", p.to),
-                )));
+        let victims = self.take_where(|p| match p.deadline {
+            Some(d) if d <= now => true,
+            Some(d) => {
+                earliest = earliest.min(self.nanos(d));
+                false
             }
-        }
+            None => false,
+        });
         self.next_sweep.fetch_min(earliest, Ordering::AcqRel);
+        let n = victims.len();
+        for p in victims {
+            let _ = p.tx.send(Err(Failure::new(
+                Status::TimedOut,
+                format!("no answer from node {} before the deadline", p.to),
+            )));
+        }
         n
     }
 
