@@ -495,18 +495,9 @@ impl Rpc {
             aborted: guard.as_ref().is_some_and(|g| g.aborted()),
         });
         drop(guard);
-        match result {
-            Ok(payload) => Response {
-                call_id: 0,
-                status: Status::Ok,
-                detail: String::new(),
-                tx: tx_return,
-                payload,
-            },
-            Err(f) => Response {
-                tx: tx_return,
-                ..Response::failure(0, f)
-            },
+        Response {
+            tx: tx_return,
+            ..plain_response(result)
         }
     }
 }
@@ -589,7 +580,8 @@ impl Rpc {
     }
 }
 
-/// The response to a call made outside any transaction.
+/// The response carrying a handler's result, with no transaction return
+/// (a transactional call adds its own).
 fn plain_response(result: Result<Payload, Failure>) -> Response {
     match result {
         Ok(payload) => Response {
