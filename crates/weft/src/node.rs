@@ -25,7 +25,12 @@ use crate::admin;
 /// without a data directory): `weft-node-<uid>-<pid>-`, so that the
 /// directories of a killed process can be told from a live one's.
 fn temp_dir_prefix(pid: u32) -> String {
-    format!("weft-node-{}-{pid}-", weft_transport::shm::current_uid())
+    format!("{}{pid}-", temp_dir_user_prefix())
+}
+
+/// The part of [`temp_dir_prefix`] shared by all of this user's nodes.
+fn temp_dir_user_prefix() -> String {
+    format!("weft-node-{}-", weft_transport::shm::current_uid())
 }
 
 /// Removes, under `base`, the temporary data directories this user's nodes
@@ -36,7 +41,7 @@ fn temp_dir_prefix(pid: u32) -> String {
 /// how many were removed; errors (another user's directory, a race with
 /// another sweeper) are skipped, never reported.
 fn sweep_stale_temp_dirs(base: &Path) -> usize {
-    let own = format!("weft-node-{}-", weft_transport::shm::current_uid());
+    let own = temp_dir_user_prefix();
     let mut removed = 0;
     for entry in weft_transport::shm::leftovers_of_dead_processes(base, &own) {
         let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
