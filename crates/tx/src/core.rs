@@ -86,6 +86,8 @@ pub enum Input {
     AbortNotice {
         /// Sender.
         from: NodeId,
+        /// The cause's status as the sender gave it (Ok is read as Aborted).
+        status: Status,
         /// Why.
         reason: String,
     },
@@ -399,7 +401,11 @@ impl TxCore {
                     self.check_acks(&mut out);
                 }
             }
-            Input::AbortNotice { from, reason } => self.on_abort_notice(from, reason, &mut out),
+            Input::AbortNotice {
+                from,
+                status,
+                reason,
+            } => self.on_abort_notice(from, status, reason, &mut out),
             Input::Answer(a) => match (a, &self.phase) {
                 (Answer::Committed, Phase::Prepared) => self.commit_here(&mut out),
                 (Answer::Aborted, Phase::Prepared) => self.abort_here(
@@ -707,14 +713,25 @@ impl TxCore {
         }
     }
 
-    fn on_abort_notice(&mut self, from: NodeId, reason: String, out: &mut Vec<Action>) {
+    fn on_abort_notice(
+        &mut self,
+        from: NodeId,
+        status: Status,
+        reason: String,
+        out: &mut Vec<Action>,
+    ) {
+        let status = if status == Status::Ok {
+            Status::Aborted
+        } else {
+            status
+        };
         let from_above =
             Some(from) == self.voter || (self.voter.is_none() && Some(from) == self.parent);
         match self.phase {
-            Phase::Active | Phase::Preparing => self.abort_here(reason, Some(from), out),
-            Phase::Forcing if !self.coordinator => self.abort_here(reason, Some(from), out),
+            Phase::Active | Phase::Preparing => self.abort_with(status, reason, Some(from), out),
+            Phase::Forcing if !self.coordinator => self.abort_with(status, reason, Some(from), out),
             // In doubt: only the node we voted to decides.
-            Phase::Prepared if from_above => self.abort_here(reason, Some(from), out),
+            Phase::Prepared if from_above => self.abort_with(status, reason, Some(from), out),
             _ => {}
         }
     }
@@ -840,6 +857,7 @@ impl TxCore {
         out.push(Action::AbortLocal);
         let msg = TxMsg::Abort {
             tid: self.tid,
+            status,
             reason,
         };
         let mut told = Vec::new();

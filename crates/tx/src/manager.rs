@@ -218,15 +218,34 @@ struct Slot {
     calls_done: Notify,
 }
 
+/// What is remembered of a transaction that ended at this node.
+struct Ended {
+    /// `None` for a branch that ended read-only (or never ran here).
+    outcome: Option<Outcome>,
+    /// Why it aborted, when the state machine knew (a dead node, the
+    /// deadline, a No vote): a late `commit` reports the same status as
+    /// one that found the transaction still in its table.
+    cause: Option<(Status, Box<str>)>,
+}
+
 struct Tombstones {
-    map: HashMap<Tid, Option<Outcome>>,
+    map: HashMap<Tid, Ended>,
     order: VecDeque<Tid>,
     cap: usize,
 }
 
 impl Tombstones {
     fn insert(&mut self, tid: Tid, outcome: Option<Outcome>) {
-        if self.map.insert(tid, outcome).is_none() {
+        self.insert_with_cause(tid, outcome, None);
+    }
+
+    fn insert_with_cause(
+        &mut self,
+        tid: Tid,
+        outcome: Option<Outcome>,
+        cause: Option<(Status, Box<str>)>,
+    ) {
+        if self.map.insert(tid, Ended { outcome, cause }).is_none() {
             self.order.push_back(tid);
             if self.order.len() > self.cap {
                 if let Some(old) = self.order.pop_front() {
@@ -234,6 +253,12 @@ impl Tombstones {
                 }
             }
         }
+    }
+
+    /// The remembered outcome: `Some(None)` for a read-only branch, `None`
+    /// when nothing is remembered.
+    fn outcome(&self, tid: Tid) -> Option<Option<Outcome>> {
+        self.map.get(&tid).map(|e| e.outcome)
     }
 }
 
@@ -465,7 +490,7 @@ impl TxManager {
                 if tid.node == inner.node {
                     return Err(inner.unknown(tid));
                 }
-                if let Some(outcome) = inner.tombstones.lock().map.get(&tid) {
+                if let Some(outcome) = inner.tombstones.lock().outcome(tid) {
                     return Err(Failure::new(
                         Status::Aborted,
                         format!("transaction {tid} already ended here ({outcome:?})"),
@@ -523,10 +548,15 @@ impl TxManager {
     /// participant tree. Returns when the outcome is decided (phase two
     /// continues in the background).
     ///
+    /// Calling it again after the outcome is decided gives the same answer
+    /// (Ok for a commit, the abort's status) for as long as the transaction
+    /// is remembered.
+    ///
     /// Fails with NotCoordinator when another node created it,
-    /// NoSuchTransaction when unknown, Aborted when it aborted (a No vote, a
-    /// dead participant, the deadline, an abort by any participant), InDoubt
-    /// when the commit record could not be forced (the log failed).
+    /// NoSuchTransaction when unknown, the abort's cause when it aborted:
+    /// HostDead/ProcDead when a participant's node died, TimedOut at the
+    /// deadline, Aborted for a No vote or an abort by any participant;
+    /// InDoubt when the commit record could not be forced (the log failed).
     pub async fn commit(&self, tid: Tid) -> Result<(), Failure> {
         let inner = &self.inner;
         if tid.node != inner.node || tid.incarnation != inner.incarnation {
@@ -538,11 +568,13 @@ impl TxManager {
                 ),
             ));
         }
-        let slot = inner.slot(tid).ok_or_else(|| inner.unknown(tid))?;
+        let Some(slot) = inner.slot(tid) else {
+            return inner.ended_result(tid);
+        };
         let rx = {
             let mut st = slot.state.lock();
             if let Some(o) = st.outcome {
-                return outcome_result(tid, o, &st.core);
+                return outcome_result(tid, o, st.core.abort_cause());
             }
             let (tx, rx) = oneshot::channel();
             st.waiters.push(tx);
@@ -564,7 +596,7 @@ impl TxManager {
         let span = tracing::debug_span!("commit", %tid);
         inner.input(&slot, Input::Commit).instrument(span).await;
         match rx.await {
-            Ok(o) => outcome_result(tid, o, &slot.state.lock().core),
+            Ok(o) => outcome_result(tid, o, slot.state.lock().core.abort_cause()),
             Err(_) => Err(Failure::new(
                 Status::InDoubt,
                 format!("{tid}: the commit record could not be made durable"),
@@ -649,7 +681,7 @@ impl TxManager {
     /// The outcome remembered for a finished transaction (`Some(None)` for a
     /// read-only branch), or `None` when it is live or unknown.
     pub fn finished_outcome(&self, tid: Tid) -> Option<Option<Outcome>> {
-        self.inner.tombstones.lock().map.get(&tid).copied()
+        self.inner.tombstones.lock().outcome(tid)
     }
 
     /// Every transaction live at this node, oldest first.
@@ -742,8 +774,8 @@ impl TxManager {
 
 /// The result `commit` reports: Ok, or the abort's cause (Aborted with the
 /// reason, TimedOut, HostDead/ProcDead when a node it needed died).
-fn outcome_result(tid: Tid, o: Outcome, core: &TxCore) -> Result<(), Failure> {
-    match (o, core.abort_cause()) {
+fn outcome_result(tid: Tid, o: Outcome, cause: Option<(Status, &str)>) -> Result<(), Failure> {
+    match (o, cause) {
         (Outcome::Committed, _) => Ok(()),
         (Outcome::Aborted, Some((status, reason))) => Err(Failure::new(
             status,
@@ -810,8 +842,20 @@ impl TmInner {
         self.txs.lock().get(&tid).cloned()
     }
 
-    fn unknown(&self, tid: Tid) -> Failure {
+    /// What `commit` answers for a transaction no longer in the table: the
+    /// remembered outcome with its cause, exactly as while it was there.
+    fn ended_result(&self, tid: Tid) -> Result<(), Failure> {
         match self.tombstones.lock().map.get(&tid) {
+            Some(Ended {
+                outcome: Some(o),
+                cause,
+            }) => outcome_result(tid, *o, cause.as_ref().map(|(s, r)| (*s, &**r))),
+            _ => Err(self.unknown(tid)),
+        }
+    }
+
+    fn unknown(&self, tid: Tid) -> Failure {
+        match self.tombstones.lock().outcome(tid) {
             Some(Some(Outcome::Aborted)) => {
                 Failure::new(Status::Aborted, format!("transaction {tid} aborted"))
             }
@@ -1012,7 +1056,7 @@ impl TmInner {
                 }
             }
             Action::Forget(outcome) => {
-                {
+                let cause = {
                     let mut st = slot.state.lock();
                     if st.outcome.is_none() {
                         st.outcome = outcome;
@@ -1021,9 +1065,12 @@ impl TmInner {
                     for w in std::mem::take(&mut st.waiters) {
                         let _ = w.send(outcome.unwrap_or(Outcome::Committed));
                     }
-                }
+                    st.core.abort_cause().map(|(s, r)| (s, Box::from(r)))
+                };
                 self.txs.lock().remove(&tid);
-                self.tombstones.lock().insert(tid, outcome);
+                self.tombstones
+                    .lock()
+                    .insert_with_cause(tid, outcome, cause);
                 slot.calls_done.notify_waiters();
             }
         }
@@ -1282,15 +1329,20 @@ impl TmInner {
             }
             TxMsg::Decision { commit: false, .. } => Input::AbortNotice {
                 from,
+                status: Status::Aborted,
                 reason: "the parent decided abort".into(),
             },
             TxMsg::Ack { .. } => Input::Ack { from },
-            TxMsg::Abort { reason, .. } => Input::AbortNotice { from, reason },
+            TxMsg::Abort { status, reason, .. } => Input::AbortNotice {
+                from,
+                status,
+                reason,
+            },
             TxMsg::Outcome { answer, .. } => Input::Answer(answer),
             TxMsg::Inquire { .. } => {
                 let answer = match &slot {
                     Some(s) => s.state.lock().core.answer(),
-                    None => match self.tombstones.lock().map.get(&tid) {
+                    None => match self.tombstones.lock().outcome(tid) {
                         Some(Some(Outcome::Committed)) => Answer::Committed,
                         // Presumed abort: no record means abort.
                         _ => Answer::Aborted,
@@ -1326,7 +1378,7 @@ impl TmInner {
         match slot {
             Some(slot) => self.input(&slot, input).await,
             None => {
-                let outcome = self.tombstones.lock().map.get(&tid).copied();
+                let outcome = self.tombstones.lock().outcome(tid);
                 let actions = match outcome {
                     Some(o) => late(tid, o, input),
                     None => match input {

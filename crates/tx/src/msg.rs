@@ -4,7 +4,7 @@
 //! Must never carry resource-manager data: resources log their own records.
 
 use serde::{Deserialize, Serialize};
-use weft_wire::{Incarnation, NodeId, SubPath, Tid};
+use weft_wire::{Incarnation, NodeId, Status, SubPath, Tid};
 
 /// A participant's answer to PREPARE.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,6 +95,10 @@ pub enum TxMsg {
     Abort {
         /// The transaction.
         tid: Tid,
+        /// The cause as a status (TimedOut for the deadline, HostDead or
+        /// ProcDead when a node died, Aborted otherwise), so that every node
+        /// reports the same cause.
+        status: Status,
         /// Why.
         reason: String,
     },

@@ -171,10 +171,40 @@ async fn a_killed_node_fails_pending_calls_with_host_dead_and_aborts_its_transac
     c.node(2).crash();
     let err = pending.await.unwrap().unwrap_err();
     assert_eq!(err.status, Status::HostDead, "{err}\n{}", c.plan.report());
-    // Node 2 took part in the transaction and died: it aborts.
+    // Node 2 took part in the transaction and died: it aborts, and commit
+    // says why, whether or not the coordinator has forgotten it yet.
     let err = tx.commit().await.unwrap_err();
-    assert_eq!(err.status, Status::Aborted, "{err}");
+    assert_eq!(err.status, Status::HostDead, "{err}");
+    assert!(err.to_string().contains("node 2"), "{err}");
     assert!(c.node(1).tm().status(tid).is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_commit_reports_the_abort_cause_the_coordinator_remembered() {
+    let c = Cluster::start(2, 105).await;
+    install(&c);
+    let tx = c.node(1).begin();
+    let tid = tx.tid();
+    let _: i64 = tx.call(&addr("add@2"), Add { a: 1, b: 1 }).await.unwrap();
+    c.node(2).crash();
+    // Wait until the coordinator has aborted and forgotten the transaction:
+    // commit then finds only its tombstone.
+    let started = Instant::now();
+    while c.node(1).tm().status(tid).is_some() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the coordinator never forgot {tid}\n{}",
+            c.plan.report()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        c.node(1).tm().finished_outcome(tid),
+        Some(Some(weft::Outcome::Aborted))
+    );
+    let err = tx.commit().await.unwrap_err();
+    assert_eq!(err.status, Status::HostDead, "{err}");
+    assert!(err.to_string().contains("node 2"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

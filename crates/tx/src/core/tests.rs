@@ -118,10 +118,15 @@ impl Sim {
             TxMsg::Decision { commit: true, .. } => Input::CommitDecision { from },
             TxMsg::Decision { commit: false, .. } => Input::AbortNotice {
                 from,
+                status: Status::Aborted,
                 reason: "decision".into(),
             },
             TxMsg::Ack { .. } => Input::Ack { from },
-            TxMsg::Abort { reason, .. } => Input::AbortNotice { from, reason },
+            TxMsg::Abort { status, reason, .. } => Input::AbortNotice {
+                from,
+                status,
+                reason,
+            },
             TxMsg::Inquire { .. } => {
                 let answer = self
                     .cores
