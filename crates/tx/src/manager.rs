@@ -207,6 +207,13 @@ struct SlotState {
     /// record was appended (early lock release): CommitLocal has nothing
     /// left to do.
     committed_early: bool,
+    /// The coordinator's commit record is in the log (durable or not): a
+    /// vote that named this transaction may now count (see `VoteAfter`).
+    commit_appended: bool,
+    /// Participant: transactions of the same coordinator whose writes this
+    /// branch used and which were undecided here when it voted; the vote
+    /// names them.
+    vote_after: Vec<Tid>,
     /// The first TM record of this transaction in the log: the log must be
     /// kept from here until the transaction is forgotten.
     first_lsn: Option<weft_log::Lsn>,
@@ -216,6 +223,8 @@ struct Slot {
     tid: Tid,
     state: Mutex<SlotState>,
     calls_done: Notify,
+    /// Notified when the commit record is appended or the outcome is set.
+    decided: Notify,
 }
 
 /// What is remembered of a transaction that ended at this node.
@@ -885,9 +894,12 @@ impl TmInner {
                 intent: None,
                 wrote_durable: false,
                 committed_early: false,
+                commit_appended: false,
+                vote_after: Vec::new(),
                 first_lsn: None,
             }),
             calls_done: Notify::new(),
+            decided: Notify::new(),
         })
     }
 
@@ -989,6 +1001,31 @@ impl TmInner {
                 ) {
                     self.await_early_released(tid).await;
                 }
+                // A vote that needed no force waits for the resources here.
+                let msg = match msg {
+                    TxMsg::Vote {
+                        tid,
+                        vote: vote @ Vote::Yes { durable: true },
+                    } => {
+                        let after = std::mem::take(&mut slot.state.lock().vote_after);
+                        if after.is_empty() {
+                            TxMsg::Vote { tid, vote }
+                        } else {
+                            TxMsg::VoteAfter { tid, vote, after }
+                        }
+                    }
+                    TxMsg::Vote {
+                        tid,
+                        vote: Vote::ReadOnly | Vote::Yes { durable: false },
+                    } => match vote_barrier(slot).await {
+                        Ok(()) => msg,
+                        Err(reason) => TxMsg::Vote {
+                            tid,
+                            vote: Vote::No(reason),
+                        },
+                    },
+                    other => other,
+                };
                 self.counters.messages.fetch_add(1, Ordering::Relaxed);
                 if let Err(f) = self.endpoint.send(to, Port::TX, Payload::local(msg)) {
                     tracing::debug!(%tid, peer = %to, %f, "protocol message not sent");
@@ -1017,6 +1054,7 @@ impl TmInner {
             }
             Action::AbortLocal => {
                 slot.state.lock().outcome = Some(Outcome::Aborted);
+                slot.decided.notify_waiters();
                 for (r, class) in resources_of(slot) {
                     match class {
                         ParticipationClass::TwoPhase => r.abort(tid).await,
@@ -1037,6 +1075,7 @@ impl TmInner {
                     st.intent = None;
                     (std::mem::take(&mut st.waiters), st.wrote_durable)
                 };
+                slot.decided.notify_waiters();
                 match outcome {
                     Outcome::Committed => {
                         self.counters.committed.fetch_add(1, Ordering::Relaxed);
@@ -1111,7 +1150,23 @@ impl TmInner {
                     CrashPoint::ParticipantPrepared
                 };
                 self.crash_point(point, slot.tid).await;
-                self.input(slot, Input::Forced).await
+                // A participant's vote leaves only once its resources allow
+                // it; the force is already done, so this wait overlaps it.
+                // When what it waits for has the same coordinator, the vote
+                // leaves now naming it, and the coordinator orders the
+                // commits in its own log instead.
+                let allowed = if coordinator {
+                    Ok(())
+                } else if let Some(after) = self.early_vote(slot) {
+                    slot.state.lock().vote_after = after;
+                    Ok(())
+                } else {
+                    vote_barrier(slot).await
+                };
+                match allowed {
+                    Ok(()) => self.input(slot, Input::Forced).await,
+                    Err(reason) => self.input(slot, Input::Abort(reason)).await,
+                }
             }
             Err(e) => {
                 tracing::error!(tid = %slot.tid, "log force failed: {e}");
@@ -1143,7 +1198,15 @@ impl TmInner {
         };
         let lsn = match self.log.append(TM_RECORD_TAG, &bytes) {
             Ok(l) => {
-                slot.state.lock().first_lsn.get_or_insert(l);
+                let commit = matches!(record, TmRecord::Committed { .. });
+                {
+                    let mut st = slot.state.lock();
+                    st.first_lsn.get_or_insert(l);
+                    st.commit_appended |= commit && st.core.is_coordinator();
+                }
+                if commit {
+                    slot.decided.notify_waiters();
+                }
                 l
             }
             Err(e) => {
@@ -1273,6 +1336,13 @@ impl TmInner {
                 break;
             }
         }
+        // The coordinator decides from its local vote: it may count only
+        // once the resources allow it (participants wait after their force).
+        if slot.tid.node == self.node && !matches!(vote, Vote::No(_)) {
+            if let Err(reason) = vote_barrier(slot).await {
+                return Vote::No(reason);
+            }
+        }
         vote
     }
 
@@ -1286,6 +1356,7 @@ impl TmInner {
         let tid = match &msg {
             TxMsg::Prepare { tid, .. }
             | TxMsg::Vote { tid, .. }
+            | TxMsg::VoteAfter { tid, .. }
             | TxMsg::Decision { tid, .. }
             | TxMsg::Ack { tid }
             | TxMsg::Abort { tid, .. }
@@ -1318,6 +1389,13 @@ impl TmInner {
                 Input::Prepare { from, aborted_subs }
             }
             TxMsg::Vote { vote, .. } => Input::Vote { from, vote },
+            TxMsg::VoteAfter { vote, after, .. } => {
+                let vote = match self.committed_here(tid, &after).await {
+                    Ok(()) => vote,
+                    Err(reason) => Vote::No(reason),
+                };
+                Input::Vote { from, vote }
+            }
             TxMsg::Decision { commit: true, .. } => {
                 if slot
                     .as_ref()
@@ -1423,6 +1501,69 @@ impl TmInner {
                 std::future::pending::<()>().await;
             }
         }
+    }
+
+    /// The dependencies a participant's vote may name instead of waiting
+    /// for them: `Some` when its resources report undecided dependencies
+    /// that all have this transaction's coordinator, and the vote goes
+    /// straight to that coordinator (which orders the commit records).
+    fn early_vote(&self, slot: &Slot) -> Option<Vec<Tid>> {
+        let tid = slot.tid;
+        let voter = {
+            let st = slot.state.lock();
+            st.core.voter().or(st.core.parent())
+        };
+        if voter != Some(tid.node) {
+            return None;
+        }
+        let mut after: Vec<Tid> = Vec::new();
+        for (r, class) in resources_of(slot) {
+            if class == ParticipationClass::NoState {
+                continue;
+            }
+            for d in r.undecided_dependencies(tid) {
+                if !after.contains(&d) {
+                    after.push(d);
+                }
+            }
+        }
+        let same_coordinator = after
+            .iter()
+            .all(|d| d.node == tid.node && d.incarnation == tid.incarnation);
+        (!after.is_empty() && same_coordinator).then_some(after)
+    }
+
+    /// At the coordinator: waits until each of `after` has its commit record
+    /// in this node's log, so that `tid`'s own record follows theirs.
+    ///
+    /// Fails with the reason `tid` must abort: one of them aborted, or is
+    /// not known here (presumed aborted).
+    async fn committed_here(&self, tid: Tid, after: &[Tid]) -> Result<(), String> {
+        for &dep in after {
+            loop {
+                let Some(slot) = self.slot(dep) else {
+                    match self.tombstones.lock().outcome(dep) {
+                        Some(Some(Outcome::Committed)) => break,
+                        _ => return Err(format!("{tid} used writes of {dep}, which aborted")),
+                    }
+                };
+                let notified = slot.decided.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                {
+                    let st = slot.state.lock();
+                    if st.commit_appended || st.outcome == Some(Outcome::Committed) {
+                        break;
+                    }
+                    if st.outcome == Some(Outcome::Aborted) {
+                        return Err(format!("{tid} used writes of {dep}, which aborted"));
+                    }
+                }
+                // Decisions notify; the timeout only guards a lost wake-up.
+                let _ = tokio::time::timeout(Duration::from_secs(1), notified).await;
+            }
+        }
+        Ok(())
     }
 
     fn tombstoned(&self, tid: Tid) -> bool {
@@ -1567,6 +1708,17 @@ async fn commit_resources(slot: &Slot, which: impl Fn(&dyn Resource) -> bool) {
             ParticipationClass::NoState => {}
         }
     }
+}
+
+/// Waits until every enlisted resource allows this node's vote (see
+/// [`Resource::vote_barrier`]); the first refusal's reason otherwise.
+async fn vote_barrier(slot: &Slot) -> Result<(), String> {
+    for (r, class) in resources_of(slot) {
+        if class != ParticipationClass::NoState {
+            r.vote_barrier(slot.tid).await?;
+        }
+    }
+    Ok(())
 }
 
 fn resources_of(slot: &Slot) -> Vec<(Arc<dyn Resource>, ParticipationClass)> {

@@ -140,6 +140,18 @@ pub enum TxMsg {
         /// True when it committed into its parent, false when it aborted.
         committed: bool,
     },
+    /// A participant's vote that holds only if the named transactions,
+    /// which have the same coordinator and whose writes it used, commit:
+    /// the coordinator decides only after its log holds their commit
+    /// records (and aborts when one aborted).
+    VoteAfter {
+        /// The transaction.
+        tid: Tid,
+        /// The vote.
+        vote: Vote,
+        /// Transactions that must commit first, at the same coordinator.
+        after: Vec<Tid>,
+    },
 }
 
 /// Log records written by the transaction manager (tag [`TM_RECORD_TAG`]).

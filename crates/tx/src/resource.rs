@@ -66,6 +66,29 @@ pub trait Resource: Send + Sync + 'static {
         Box::pin(async { Vote::ReadOnly })
     }
 
+    /// Holds this node's Yes or ReadOnly vote for `tid` (and, at the
+    /// coordinator, its commit decision) until the resource allows it:
+    /// called after `prepare` voted and, at a participant, after the prepare
+    /// record is durable, so the wait overlaps nothing it could share. A
+    /// resource that let `tid` read or overwrite what a prepared transaction
+    /// wrote (controlled lock violation) waits here until that transaction
+    /// committed at this node. The default allows at once.
+    ///
+    /// Fails with the reason this node must abort `tid` instead (a
+    /// transaction whose writes it used aborted).
+    fn vote_barrier(&self, _tid: Tid) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    /// The transactions whose writes `tid` used here and whose outcome this
+    /// node does not know yet: what [`Resource::vote_barrier`] would wait
+    /// for. When they all have `tid`'s coordinator, the transaction manager
+    /// may vote at once, naming them, and the coordinator decides `tid` only
+    /// after its own log holds their commit records. Default: none.
+    fn undecided_dependencies(&self, _tid: Tid) -> Vec<Tid> {
+        Vec::new()
+    }
+
     /// Phase two, commit (two-phase class). Also called for a branch this
     /// resource never saw (it must then do nothing).
     fn commit(&self, _tid: Tid) -> BoxFuture<'_, ()> {
