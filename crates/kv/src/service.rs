@@ -148,13 +148,14 @@ impl Kv {
     }
 
     /// The keys of every prepared write set still waiting for its outcome
-    /// (after recovery: the branches in doubt). A caller that locks for the
-    /// store ([`Locking::External`]) re-locks these at start-up.
+    /// (after recovery: the branches in doubt), in the order of their
+    /// prepare records. A caller that locks for the store
+    /// ([`Locking::External`]) re-locks these at start-up.
     pub fn prepared(&self) -> Vec<(Tid, Vec<Bytes>)> {
         let store = self.inner.store.read();
-        let mut tids = store.prepared_tids();
-        tids.sort();
-        tids.into_iter()
+        store
+            .prepared_in_log_order()
+            .into_iter()
             .map(|t| (t, store.prepared_keys(t)))
             .collect()
     }
@@ -448,8 +449,14 @@ impl Plugin for Kv {
                     redone += 1;
                 }
                 Some(Recovered::InDoubt) => {
-                    // Keep it ready, and locked, until the outcome arrives.
-                    for key in store.prepared_keys(tid) {
+                    // Keep it ready, and locked, until the outcome arrives
+                    // (an external lock owner re-locks for itself: it may
+                    // let several in-doubt writers share a key).
+                    let keys = match self.inner.cfg.locking {
+                        Locking::Strict2PL => store.prepared_keys(tid),
+                        Locking::External => Vec::new(),
+                    };
+                    for key in keys {
                         self.inner
                             .locks
                             .try_lock(Xid::top(tid), key, LockMode::Exclusive)

@@ -37,6 +37,8 @@ pub struct Store {
     live: HashMap<Tid, Branch>,
     /// Prepared write sets and the log position of their prepare record.
     prepared: HashMap<Tid, (Vec<Write>, u64)>,
+    /// Key → the prepared sets that write it, by prepare record position.
+    pending: HashMap<Bytes, BTreeMap<u64, Tid>>,
 }
 
 impl Store {
@@ -47,19 +49,24 @@ impl Store {
 
     /// A store rebuilt from a snapshot image.
     pub fn from_image(image: Image) -> Self {
-        Store {
+        let mut store = Store {
             committed: image.committed,
-            live: HashMap::new(),
-            prepared: image
-                .prepared
-                .into_iter()
-                .map(|(t, lsn, w)| (t, (w, lsn)))
-                .collect(),
+            ..Store::default()
+        };
+        for (tid, lsn, writes) in image.prepared {
+            store.restore_prepared(tid, lsn, writes);
         }
+        store
     }
 
     /// The value `xid` sees at `key`: its own writes (its sub-transaction's,
-    /// then its ancestors') over the committed value.
+    /// then its ancestors'), else the latest prepared write of `key`, else
+    /// the committed value.
+    ///
+    /// A prepared write is visible because whoever may read `key` while it
+    /// is prepared holds a lock the lock owner granted over the prepared
+    /// writer (controlled lock violation) and waits for its outcome before
+    /// voting; under strict two-phase locking nobody else can reach `key`.
     pub fn read(&self, xid: &Xid, key: &Bytes) -> Option<Bytes> {
         if let Some(branch) = self.live.get(&xid.tid) {
             let mut path = Some(xid.path.clone());
@@ -70,7 +77,40 @@ impl Store {
                 path = p.parent();
             }
         }
+        if let Some(v) = self.latest_prepared(key) {
+            return v;
+        }
         self.committed.get(key).cloned()
+    }
+
+    /// The latest prepared write of `key` (`Some(None)`: a delete).
+    fn latest_prepared(&self, key: &Bytes) -> Option<Option<Bytes>> {
+        let (_, tid) = self.pending.get(key)?.last_key_value()?;
+        let (writes, _) = self.prepared.get(tid)?;
+        writes
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn index_prepared(&mut self, tid: Tid, lsn: u64, writes: &[Write]) {
+        for (k, _) in writes {
+            self.pending.entry(k.clone()).or_default().insert(lsn, tid);
+        }
+    }
+
+    /// Removes `tid`'s prepared set and its index entries.
+    fn take_prepared(&mut self, tid: Tid) -> Option<(Vec<Write>, u64)> {
+        let (writes, lsn) = self.prepared.remove(&tid)?;
+        for (k, _) in &writes {
+            if let Some(m) = self.pending.get_mut(k) {
+                m.remove(&lsn);
+                if m.is_empty() {
+                    self.pending.remove(k);
+                }
+            }
+        }
+        Some((writes, lsn))
     }
 
     /// Records a write (`None`: delete) by `xid`.
@@ -191,12 +231,15 @@ impl Store {
         }
         let writes: Vec<Write> = flat.into_iter().collect();
         let lsn = log(&writes)?;
+        self.index_prepared(tid, lsn, &writes);
         self.prepared.insert(tid, (writes.clone(), lsn));
         Ok(Some(writes))
     }
 
     /// Installs a prepared write set found at recovery (`lsn`: its record).
     pub fn restore_prepared(&mut self, tid: Tid, lsn: u64, writes: Vec<Write>) {
+        self.take_prepared(tid);
+        self.index_prepared(tid, lsn, &writes);
         self.prepared.insert(tid, (writes, lsn));
     }
 
@@ -208,11 +251,33 @@ impl Store {
     /// Phase two, commit: the prepared writes reach the committed map.
     /// Returns the keys written (to release their locks), empty if nothing
     /// was prepared for `tid`.
+    ///
+    /// A write set prepared earlier that is still undecided (in doubt after
+    /// a restart) loses the keys this one writes: this transaction used its
+    /// values (it could only lock them after that one prepared), so applying
+    /// the older values later would undo this commit.
     pub fn commit(&mut self, tid: Tid) -> Vec<Bytes> {
         self.live.remove(&tid);
-        let Some((writes, _)) = self.prepared.remove(&tid) else {
+        let Some((writes, lsn)) = self.take_prepared(tid) else {
             return Vec::new();
         };
+        for (k, _) in &writes {
+            let older: Vec<(u64, Tid)> = match self.pending.get(k) {
+                Some(m) => m.range(..lsn).map(|(l, t)| (*l, *t)).collect(),
+                None => continue,
+            };
+            for (l, t) in older {
+                if let Some((w, _)) = self.prepared.get_mut(&t) {
+                    w.retain(|(key, _)| key != k);
+                }
+                if let Some(m) = self.pending.get_mut(k) {
+                    m.remove(&l);
+                    if m.is_empty() {
+                        self.pending.remove(k);
+                    }
+                }
+            }
+        }
         let mut keys = Vec::with_capacity(writes.len());
         for (k, v) in writes {
             match v {
@@ -231,7 +296,7 @@ impl Store {
     /// Abort: the branch's writes (live or prepared) are dropped.
     pub fn abort(&mut self, tid: Tid) {
         self.live.remove(&tid);
-        self.prepared.remove(&tid);
+        self.take_prepared(tid);
     }
 
     /// Transactions with a prepared write set.
@@ -324,9 +389,50 @@ mod tests {
         assert_eq!(s.read(&t2, &b("k")), None, "no dirty read");
         let w = prep(&mut s, 1, &[]).unwrap();
         assert_eq!(w, vec![(b("k"), Some(b("v1")))]);
-        assert_eq!(s.read(&t2, &b("k")), None, "prepared is not committed");
+        assert_eq!(s.committed(&b("k")), None, "prepared is not committed");
         assert_eq!(s.commit(tid(1)), vec![b("k")]);
         assert_eq!(s.read(&t2, &b("k")), Some(b("v1")));
+        assert_eq!(s.committed(&b("k")), Some(&b("v1")));
+    }
+
+    #[test]
+    fn a_lock_granted_over_prepared_writers_reads_the_latest_of_them() {
+        let mut s = Store::new();
+        let (t1, t2, t3) = (Xid::top(tid(1)), Xid::top(tid(2)), Xid::top(tid(3)));
+        s.write(&t1, b("k"), Some(b("v1")));
+        prep(&mut s, 1, &[]);
+        assert_eq!(s.read(&t2, &b("k")), Some(b("v1")), "violation mode");
+        s.write(&t2, b("k"), None);
+        prep(&mut s, 2, &[]);
+        assert_eq!(s.read(&t3, &b("k")), None, "the later delete wins");
+        s.abort(tid(2));
+        assert_eq!(s.read(&t3, &b("k")), Some(b("v1")));
+        s.commit(tid(1));
+        assert_eq!(s.read(&t3, &b("k")), Some(b("v1")));
+        assert!(s.pending.is_empty(), "the index follows the prepared sets");
+    }
+
+    #[test]
+    fn a_later_commit_takes_its_keys_from_earlier_sets_still_in_doubt() {
+        // After a restart both are prepared; the later one, which used the
+        // earlier one's value, is resolved first.
+        let mut s = Store::new();
+        s.restore_prepared(
+            tid(1),
+            10,
+            vec![(b("k"), Some(b("1"))), (b("j"), Some(b("x")))],
+        );
+        s.restore_prepared(tid(2), 20, vec![(b("k"), Some(b("2")))]);
+        s.commit(tid(2));
+        assert_eq!(s.prepared_keys(tid(1)), vec![b("j")]);
+        s.commit(tid(1));
+        assert_eq!(
+            s.committed(&b("k")),
+            Some(&b("2")),
+            "not undone by the older value"
+        );
+        assert_eq!(s.committed(&b("j")), Some(&b("x")));
+        assert!(s.pending.is_empty());
     }
 
     #[test]
