@@ -1,9 +1,10 @@
 //! The concurrency controller (CC): strict two-phase locking of data items
-//! at one site, with Raid's bounded wait per action.
+//! at one site, with Raid's bounded wait per action, and controlled lock
+//! violation once a writer has prepared (see [`crate::violation`]).
 //!
-//! Owns the site's lock table. Must never release a write lock before the
-//! transaction's outcome is applied at this site (the site participant
-//! applies, then releases).
+//! Owns the site's lock table. Must never let a transaction's write be used
+//! by another before it prepared here, nor let the user's vote leave before
+//! the writer's outcome is known here (the site participant holds it).
 
 use std::time::{Duration, Instant};
 
@@ -11,10 +12,12 @@ use weft_kv::lock::{LockError, LockManager, LockMode};
 use weft_wire::{Failure, Status, SubPath, Tid, Xid};
 
 use crate::schema::Item;
+use crate::violation::Violations;
 
 /// A site's concurrency controller.
 pub struct Cc {
     locks: LockManager<Item, Xid>,
+    violations: Violations,
     wait: Duration,
 }
 
@@ -24,14 +27,17 @@ impl Cc {
     pub fn new(wait: Duration) -> Cc {
         Cc {
             locks: LockManager::new(),
+            violations: Violations::new(),
             wait,
         }
     }
 
     /// Locks `item` for `xid` in `mode`, waiting at most the bound (or until
-    /// `deadline`).
+    /// `deadline`). An item whose writer has prepared is granted at once,
+    /// and `xid` then depends on that writer.
     ///
-    /// Fails with LockConflict naming the holders when the wait ends.
+    /// Fails with Aborted when a writer whose values the transaction used
+    /// aborted, LockConflict naming the holders when the wait ends.
     pub async fn lock(
         &self,
         xid: &Xid,
@@ -43,46 +49,75 @@ impl Cc {
         if let Some(d) = deadline {
             bound = bound.min(d.saturating_duration_since(Instant::now()));
         }
-        self.locks.lock(xid.clone(), item, mode, bound).await.map_err(|e| match e {
-            LockError::Conflict { key, holders } => Failure::new(
-                Status::LockConflict,
-                format!("{xid}: {mode} lock on {key} not granted within {bound:?} (held by {holders:?})"),
-            ),
-            other => Failure::new(Status::LockConflict, format!("{xid}: {other}")),
-        })
+        let doomed = |xid: &Xid| {
+            self.violations
+                .doomed(xid.tid)
+                .map(|reason| Failure::new(Status::Aborted, format!("{xid} must abort: {reason}")))
+        };
+        if let Some(f) = doomed(xid) {
+            return Err(f);
+        }
+        self.locks
+            .lock(xid.clone(), item, mode, bound)
+            .await
+            .map_err(|e| match e {
+                LockError::Conflict { key, holders } => Failure::new(
+                    Status::LockConflict,
+                    format!("{xid}: {mode} lock on {key} not granted within {bound:?} (held by {holders:?})"),
+                ),
+                other => Failure::new(Status::LockConflict, format!("{xid}: {other}")),
+            })?;
+        self.violations.accessed(xid.tid, item);
+        doomed(xid).map_or(Ok(()), Err)
     }
 
-    /// Locks an item at recovery (no waiting: nothing else runs yet).
-    ///
-    /// Fails when the item is already locked by another transaction.
-    pub fn relock(&self, tid: Tid, item: Item) -> Result<(), Failure> {
-        self.locks
-            .try_lock(Xid::top(tid), item, LockMode::Exclusive)
-            .map_err(|e| {
-                Failure::new(
-                    Status::Internal,
-                    format!("relocking {item:?} for {tid}: {e}"),
-                )
-            })
+    /// Re-registers a branch found prepared (in doubt) at recovery, in the
+    /// order of the prepare records: its items stay in violation mode until
+    /// its outcome arrives, and whoever uses them depends on it.
+    pub fn restore_prepared(&self, tid: Tid, items: Vec<Item>) {
+        self.violations.prepared(tid, items);
     }
 
-    /// True when the transaction holds an exclusive lock here.
-    pub fn holds_writes(&self, tid: Tid) -> bool {
-        self.locks
+    /// The transaction prepared with a Yes vote: its written items pass to
+    /// violation mode and all its locks are released.
+    pub fn prepared(&self, tid: Tid) {
+        let items = self
+            .locks
             .locks_of(&tid)
-            .iter()
-            .any(|l| l.mode == LockMode::Exclusive)
-    }
-
-    /// Releases every lock of the transaction.
-    pub fn release(&self, tid: Tid) {
+            .into_iter()
+            .filter(|l| l.mode == LockMode::Exclusive)
+            .map(|l| l.key)
+            .collect();
+        // Registered before the release: nobody locks an item without
+        // seeing its prepared writer.
+        self.violations.prepared(tid, items);
         self.locks.release_all(&tid);
     }
 
-    /// Releases the transaction's read locks (its reads are over once it
-    /// prepares; strict 2PL keeps only the write locks to the end).
-    pub fn release_reads(&self, tid: Tid) {
-        self.locks.release_shared(&Xid::top(tid));
+    /// Holds the transaction's vote until every prepared writer whose
+    /// values it used is decided here.
+    ///
+    /// Fails with the reason it must abort instead.
+    pub async fn vote_barrier(&self, tid: Tid) -> Result<(), String> {
+        self.violations.barrier(tid).await
+    }
+
+    /// The prepared writers whose values the transaction used and whose
+    /// outcome is not known here yet (none when it must abort).
+    pub fn undecided_dependencies(&self, tid: Tid) -> Vec<Tid> {
+        self.violations.undecided(tid)
+    }
+
+    /// The transaction's outcome is applied here: its locks and its items'
+    /// violation mode go, its dependents learn the outcome.
+    pub fn decided(&self, tid: Tid, committed: bool) {
+        self.violations.decided(tid, committed);
+        self.locks.release_all(&tid);
+    }
+
+    /// Releases every lock of the transaction (a read-only branch).
+    pub fn release(&self, tid: Tid) {
+        self.locks.release_all(&tid);
     }
 
     /// A sub-transaction ended: its locks pass to its parent or are released.
@@ -102,5 +137,78 @@ impl Cc {
     pub fn contention(&self) -> (u64, u64) {
         let s = self.locks.stats();
         (s.waits, s.conflicts + s.timeouts)
+    }
+
+    /// Controlled lock violation: (locks granted over a prepared writer,
+    /// transactions aborted because such a writer aborted).
+    pub fn violations(&self) -> (u64, u64) {
+        self.violations.stats()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::Relation;
+    use weft_wire::{Incarnation, NodeId};
+
+    fn xid(n: u64) -> Xid {
+        Xid::top(Tid::new(NodeId(1), Incarnation(1), n))
+    }
+
+    fn item(key: u64) -> Item {
+        Item {
+            rel: Relation::Branch,
+            key,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_prepared_writers_lock_is_granted_at_once_and_holds_the_next_vote() {
+        let cc = std::sync::Arc::new(Cc::new(Duration::from_millis(20)));
+        let (t1, t2) = (xid(1), xid(2));
+        cc.lock(&t1, item(1), LockMode::Exclusive, None)
+            .await
+            .unwrap();
+        // Before T1 prepares, T2 waits and gives up (strict 2PL).
+        let err = cc
+            .lock(&t2, item(1), LockMode::Exclusive, None)
+            .await
+            .unwrap_err();
+        assert_eq!(err.status, Status::LockConflict);
+        cc.prepared(t1.tid);
+        cc.lock(&t2, item(1), LockMode::Exclusive, None)
+            .await
+            .expect("granted over the prepared writer");
+        let vote = tokio::spawn({
+            let cc = cc.clone();
+            async move { cc.vote_barrier(t2.tid).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!vote.is_finished(), "T2 votes after T1's outcome");
+        cc.decided(t1.tid, true);
+        assert_eq!(vote.await.unwrap(), Ok(()));
+        cc.decided(t2.tid, true);
+        assert_eq!(cc.violations(), (1, 0));
+    }
+
+    #[tokio::test]
+    async fn a_transaction_that_used_an_aborted_writers_value_cannot_go_on() {
+        let cc = Cc::new(Duration::from_millis(20));
+        let (t1, t2) = (xid(1), xid(2));
+        cc.lock(&t1, item(1), LockMode::Exclusive, None)
+            .await
+            .unwrap();
+        cc.prepared(t1.tid);
+        cc.lock(&t2, item(1), LockMode::Shared, None).await.unwrap();
+        cc.decided(t1.tid, false);
+        let err = cc
+            .lock(&t2, item(2), LockMode::Exclusive, None)
+            .await
+            .unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "{err}");
+        assert!(cc.vote_barrier(t2.tid).await.is_err());
+        cc.decided(t2.tid, false);
+        assert_eq!(cc.violations(), (1, 1));
     }
 }

@@ -18,6 +18,7 @@ pub mod load;
 pub mod rc;
 pub mod schema;
 pub mod site;
+pub mod violation;
 pub mod workload;
 
 pub use ad::{Action, Ad, AdReply, AdRequest};

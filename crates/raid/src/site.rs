@@ -112,25 +112,35 @@ impl Resource for SiteParticipant {
             let vote = self.0.kv_participant.prepare(tid, log).await;
             match &vote {
                 Vote::ReadOnly => self.0.cc.release(tid),
-                Vote::Yes { .. } => self.0.cc.release_reads(tid),
+                // Its writes are in the prepared set (readable by the next
+                // lock holder): the locks pass to violation mode.
+                Vote::Yes { .. } => self.0.cc.prepared(tid),
                 Vote::No(_) => {}
             }
             vote
         })
     }
 
+    fn vote_barrier(&self, tid: Tid) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(self.0.cc.vote_barrier(tid))
+    }
+
+    fn undecided_dependencies(&self, tid: Tid) -> Vec<Tid> {
+        self.0.cc.undecided_dependencies(tid)
+    }
+
     fn commit(&self, tid: Tid) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            // Apply first, then let waiting transactions in.
+            // Apply first, then tell the dependents.
             self.0.kv_participant.commit(tid).await;
-            self.0.cc.release(tid);
+            self.0.cc.decided(tid, true);
         })
     }
 
     fn abort(&self, tid: Tid) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             self.0.kv_participant.abort(tid).await;
-            self.0.cc.release(tid);
+            self.0.cc.decided(tid, false);
         })
     }
 
@@ -314,13 +324,11 @@ impl Plugin for RaidSite {
 
     fn recover(&self, tm: &TxManager, records: &[LogRecord]) -> Result<(), Failure> {
         self.inner.kv.recover(tm, records)?;
-        // Branches in doubt keep their items locked until the outcome arrives.
+        // Branches in doubt keep their items in violation mode until the
+        // outcome arrives: whoever uses them waits for it to vote.
         for (tid, keys) in self.inner.kv.prepared() {
-            for key in keys {
-                if let Some(item) = item_of_key(&key) {
-                    self.inner.cc.relock(tid, item)?;
-                }
-            }
+            let items = keys.iter().filter_map(|k| item_of_key(k)).collect();
+            self.inner.cc.restore_prepared(tid, items);
         }
         Ok(())
     }
