@@ -31,6 +31,11 @@ pub struct DebitCreditArgs {
     /// How long each run lasts.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub duration: Duration,
+    /// Rounds of runs: each round runs every site count and pgbench, in
+    /// alternating order, and the figures are their means, so that the
+    /// disk's drift during the bench weighs on weft and pgbench alike.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub rounds: u32,
     /// Also run PostgreSQL's pgbench (starts a temporary server).
     #[arg(long)]
     pub pgbench: bool,
@@ -46,11 +51,58 @@ pub struct DebitCreditArgs {
 }
 
 struct SiteRun {
-    sites: u32,
     report: RunReport,
     messages: f64,
     forces: f64,
     audit_ok: bool,
+}
+
+/// The rounds of one configuration: the means of their figures.
+#[derive(Default)]
+struct Rounds {
+    tps: Vec<f64>,
+    p50_ms: Vec<f64>,
+    p99_ms: Vec<f64>,
+    messages: Vec<f64>,
+    forces: Vec<f64>,
+    aborts: std::collections::BTreeMap<String, u64>,
+    audit_ok: bool,
+    failed: u64,
+}
+
+impl Rounds {
+    fn add_site(&mut self, r: &SiteRun) {
+        if self.tps.is_empty() {
+            self.audit_ok = true;
+        }
+        self.tps.push(r.report.tps);
+        self.p50_ms.push(r.report.p50_us / 1000.0);
+        self.p99_ms.push(r.report.p99_us / 1000.0);
+        self.messages.push(r.messages);
+        self.forces.push(r.forces);
+        for (k, v) in &r.report.aborts {
+            *self.aborts.entry(k.clone()).or_default() += v;
+        }
+        self.audit_ok &= r.audit_ok;
+    }
+
+    fn add_pgbench(&mut self, r: &weft_bench::pgbench::PgbenchReport) {
+        self.tps.push(r.tps);
+        self.p50_ms.push(r.latency_avg_ms);
+        self.failed += r.failed_transactions.unwrap_or(0);
+    }
+
+    fn tps(&self) -> f64 {
+        mean(&self.tps)
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
 }
 
 async fn run_sites(args: &DebitCreditArgs, sites: u32) -> anyhow::Result<SiteRun> {
@@ -99,7 +151,6 @@ async fn run_sites(args: &DebitCreditArgs, sites: u32) -> anyhow::Result<SiteRun
     cluster.shutdown().await;
     pb.finish_and_clear();
     Ok(SiteRun {
-        sites,
         messages: per(after.messages - before.messages),
         forces: per(after.forces - before.forces),
         report,
@@ -109,33 +160,78 @@ async fn run_sites(args: &DebitCreditArgs, sites: u32) -> anyhow::Result<SiteRun
 
 /// Runs `weft bench debitcredit`.
 pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
-    let mut runs = Vec::new();
-    for &s in &args.sites {
-        runs.push(run_sites(&args, s).await?);
-    }
-    let mut pg = None;
-    if args.pgbench {
-        anyhow::ensure!(
-            args.mode == Mode::Tpcb,
-            "pgbench runs the tpcb transaction: use --mode tpcb"
-        );
-        let pb = progress(&format!(
-            "pgbench, scale {}, {} clients",
-            args.scale, args.clients
-        ));
-        let mut server = tokio::task::spawn_blocking(|| {
+    anyhow::ensure!(
+        !args.pgbench || args.mode == Mode::Tpcb,
+        "pgbench runs the tpcb transaction: use --mode tpcb"
+    );
+    let mut server = if args.pgbench {
+        let pb = progress("starting PostgreSQL");
+        let s = tokio::task::spawn_blocking(|| {
             weft_pg::TempPostgres::start(weft_pg::ServerOptions::default())
         })
         .await??;
-        let r = weft_bench::pgbench::run(&server, args.scale, args.clients as u32, args.duration)
-            .await?;
-        tokio::task::spawn_blocking(move || server.stop()).await??;
         pb.finish_and_clear();
-        pg = Some(r);
+        Some(s)
+    } else {
+        None
+    };
+    let measured = measure_rounds(&args, server.as_ref()).await;
+    if let Some(mut s) = server.take() {
+        tokio::task::spawn_blocking(move || s.stop()).await??;
     }
+    let (runs, pg) = measured?;
+    report(&args, &runs, pg.as_ref())
+}
+
+/// Every round: each site count and pgbench, weft first in odd rounds and
+/// pgbench first in even ones.
+async fn measure_rounds(
+    args: &DebitCreditArgs,
+    server: Option<&weft_pg::TempPostgres>,
+) -> anyhow::Result<(Vec<(u32, Rounds)>, Option<Rounds>)> {
+    let mut runs: Vec<(u32, Rounds)> = args.sites.iter().map(|&s| (s, Rounds::default())).collect();
+    let mut pg = server.map(|_| Rounds::default());
+    for round in 0..args.rounds {
+        let pg_first = round % 2 == 1;
+        for step in 0..2 {
+            if (step == 0) == pg_first {
+                if let (Some(server), Some(pg)) = (server, pg.as_mut()) {
+                    let pb = progress(&format!(
+                        "round {}/{}: pgbench, scale {}, {} clients",
+                        round + 1,
+                        args.rounds,
+                        args.scale,
+                        args.clients
+                    ));
+                    let r = weft_bench::pgbench::run(
+                        server,
+                        args.scale,
+                        args.clients as u32,
+                        args.duration,
+                    )
+                    .await?;
+                    pb.finish_and_clear();
+                    pg.add_pgbench(&r);
+                }
+            } else {
+                for (s, rounds) in runs.iter_mut() {
+                    rounds.add_site(&run_sites(args, *s).await?);
+                }
+            }
+        }
+    }
+    Ok((runs, pg))
+}
+
+/// Prints the table and the targets, writes the JSON and the plot.
+fn report(
+    args: &DebitCreditArgs,
+    runs: &[(u32, Rounds)],
+    pg: Option<&Rounds>,
+) -> anyhow::Result<()> {
     println!(
-        "weft bench debitcredit: {} mode, scale {}, {} clients, {:?} per run, every relation on every site",
-        args.mode, args.scale, args.clients, args.duration
+        "weft bench debitcredit: {} mode, scale {}, {} clients, {:?} per run, {} round(s), every relation on every site",
+        args.mode, args.scale, args.clients, args.duration, args.rounds
     );
     println!(
         "{:<22} {:>9} {:>9} {:>9} {:>11} {:>11} {:>7}  aborts",
@@ -143,86 +239,91 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
     );
     let mut report = serde_json::Map::new();
     let mut bars = Vec::new();
-    for r in &runs {
+    let rounded = |v: &[f64]| v.iter().map(|x| r2(*x)).collect::<Vec<_>>();
+    for (s, r) in runs {
+        let s = *s;
         println!(
             "{:<22} {:>9.0} {:>9.2} {:>9.2} {:>11.1} {:>11.3} {:>7}  {:?}",
-            format!("weft, {} site(s)", r.sites),
-            r.report.tps,
-            r.report.p50_us / 1000.0,
-            r.report.p99_us / 1000.0,
-            r.messages,
-            r.forces,
+            format!("weft, {s} site(s)"),
+            r.tps(),
+            mean(&r.p50_ms),
+            mean(&r.p99_ms),
+            mean(&r.messages),
+            mean(&r.forces),
             if r.audit_ok { "ok" } else { "FAILED" },
-            r.report.aborts
+            r.aborts
         );
-        let s = r.sites;
-        report.insert(format!("weft_tps_sites_{s}"), json!(r2(r.report.tps)));
+        report.insert(format!("weft_tps_sites_{s}"), json!(r2(r.tps())));
+        report.insert(format!("weft_tps_sites_{s}_rounds"), json!(rounded(&r.tps)));
+        report.insert(format!("p50_ms_sites_{s}"), json!(r2(mean(&r.p50_ms))));
+        report.insert(format!("p99_ms_sites_{s}"), json!(r2(mean(&r.p99_ms))));
         report.insert(
-            format!("p50_ms_sites_{s}"),
-            json!(r2(r.report.p50_us / 1000.0)),
+            format!("messages_per_txn_sites_{s}"),
+            json!(r2(mean(&r.messages))),
         );
-        report.insert(
-            format!("p99_ms_sites_{s}"),
-            json!(r2(r.report.p99_us / 1000.0)),
-        );
-        report.insert(format!("messages_per_txn_sites_{s}"), json!(r2(r.messages)));
         report.insert(
             format!("forces_per_txn_sites_{s}"),
-            json!(r2(r.forces * 1000.0) / 1000.0),
+            json!(r2(mean(&r.forces) * 1000.0) / 1000.0),
         );
-        report.insert(format!("aborts_sites_{s}"), json!(r.report.aborts));
+        report.insert(format!("aborts_sites_{s}"), json!(r.aborts));
         report.insert(format!("audit_sites_{s}"), json!(r.audit_ok));
         bars.push((
             format!("weft {s} site{}", if s == 1 { "" } else { "s" }),
-            r.report.tps,
+            r.tps(),
         ));
     }
-    if let Some(p) = &pg {
+    if let Some(p) = pg {
         println!(
             "{:<22} {:>9.0} {:>9.2} {:>9} {:>11} {:>11} {:>7}  {} failed",
             "pgbench (PostgreSQL)",
-            p.tps,
-            p.latency_avg_ms,
+            p.tps(),
+            mean(&p.p50_ms),
             "-",
             "-",
             "-",
             "-",
-            p.failed_transactions.unwrap_or(0)
+            p.failed
         );
-        report.insert("pgbench_tps".into(), json!(r2(p.tps)));
-        report.insert("pgbench_latency_avg_ms".into(), json!(p.latency_avg_ms));
-        bars.push(("pgbench".to_string(), p.tps));
+        report.insert("pgbench_tps".into(), json!(r2(p.tps())));
+        report.insert("pgbench_tps_rounds".into(), json!(rounded(&p.tps)));
+        report.insert("pgbench_latency_avg_ms".into(), json!(r2(mean(&p.p50_ms))));
+        bars.push(("pgbench".to_string(), p.tps()));
     }
-    println!("targets:");
+    if args.rounds > 1 {
+        for (s, r) in runs {
+            let per_round: Vec<String> = r.tps.iter().map(|t| format!("{t:.0}")).collect();
+            println!(
+                "  weft {s} site(s), tps per round: {}",
+                per_round.join(", ")
+            );
+        }
+        if let Some(p) = pg {
+            let per_round: Vec<String> = p.tps.iter().map(|t| format!("{t:.0}")).collect();
+            println!("  pgbench, tps per round: {}", per_round.join(", "));
+        }
+    }
+    println!("targets (means over the rounds):");
     let mut met = serde_json::Map::new();
-    if let Some(p) = &pg {
-        if let Some(r) = runs.iter().find(|r| r.sites == 1) {
-            met.insert(
-                "sites_1".into(),
-                json!(check(
-                    "weft_tps_sites_1 / pgbench_tps",
-                    r.report.tps / p.tps,
-                    ">=",
-                    2.0
-                )),
-            );
-        }
-        if let Some(r) = runs.iter().find(|r| r.sites == 3) {
-            met.insert(
-                "sites_3".into(),
-                json!(check(
-                    "weft_tps_sites_3 / pgbench_tps",
-                    r.report.tps / p.tps,
-                    ">=",
-                    1.0
-                )),
-            );
+    let find = |n: u32| runs.iter().find(|(s, _)| *s == n).map(|(_, r)| r);
+    if let Some(p) = pg {
+        for (n, bound) in [(1u32, 2.0), (3, 1.0)] {
+            if let Some(r) = find(n) {
+                met.insert(
+                    format!("sites_{n}"),
+                    json!(check(
+                        &format!("weft_tps_sites_{n} / pgbench_tps"),
+                        r.tps() / p.tps(),
+                        ">=",
+                        bound
+                    )),
+                );
+            }
         }
     }
-    if let Some(r) = runs.iter().find(|r| r.sites == 1) {
+    if let Some(r) = find(1) {
         println!(
             "  (messages per single-site transaction: {:.1}; Raid V1 needed 168)",
-            r.messages
+            mean(&r.messages)
         );
     }
     report.insert("targets_met".into(), serde_json::Value::Object(met));
@@ -230,6 +331,7 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
     report.insert("scale".into(), json!(args.scale));
     report.insert("clients".into(), json!(args.clients));
     report.insert("duration_s".into(), json!(args.duration.as_secs_f64()));
+    report.insert("rounds".into(), json!(args.rounds));
     if let Some(path) = &args.json {
         write_json(path, &serde_json::Value::Object(report))?;
     }
@@ -245,6 +347,6 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
         )?;
         eprintln!("wrote {}", path.display());
     }
-    anyhow::ensure!(runs.iter().all(|r| r.audit_ok), "an audit failed");
+    anyhow::ensure!(runs.iter().all(|(_, r)| r.audit_ok), "an audit failed");
     Ok(())
 }
