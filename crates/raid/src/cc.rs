@@ -103,8 +103,10 @@ impl Cc {
     }
 
     /// The prepared writers whose values the transaction used and whose
-    /// outcome is not known here yet (none when it must abort).
-    pub fn undecided_dependencies(&self, tid: Tid) -> Vec<Tid> {
+    /// outcome is not known here yet.
+    ///
+    /// Fails with the reason it must abort.
+    pub fn undecided_dependencies(&self, tid: Tid) -> Result<Vec<Tid>, String> {
         self.violations.undecided(tid)
     }
 

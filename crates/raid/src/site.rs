@@ -125,7 +125,7 @@ impl Resource for SiteParticipant {
         Box::pin(self.0.cc.vote_barrier(tid))
     }
 
-    fn undecided_dependencies(&self, tid: Tid) -> Vec<Tid> {
+    fn undecided_dependencies(&self, tid: Tid) -> Result<Vec<Tid>, String> {
         self.0.cc.undecided_dependencies(tid)
     }
 

@@ -140,12 +140,13 @@ impl Violations {
         self.decided.notify_waiters();
     }
 
-    /// The prepared writers `tid` depends on that are not decided here yet;
-    /// none when it is doomed (its barrier then fails at once).
-    pub fn undecided(&self, tid: Tid) -> Vec<Tid> {
+    /// The prepared writers `tid` depends on that are not decided here yet.
+    ///
+    /// Fails with the reason `tid` must abort (a writer it used aborted).
+    pub fn undecided(&self, tid: Tid) -> Result<Vec<Tid>, String> {
         let st = self.state.lock();
-        if st.doomed.contains_key(&tid) {
-            return Vec::new();
+        if let Some(reason) = st.doomed.get(&tid) {
+            return Err(reason.clone());
         }
         let mut v: Vec<Tid> = st
             .deps
@@ -153,7 +154,7 @@ impl Violations {
             .map(|d| d.iter().copied().collect())
             .unwrap_or_default();
         v.sort();
-        v
+        Ok(v)
     }
 
     /// Why `tid` must abort, when a writer it depends on aborted.
@@ -237,6 +238,7 @@ mod tests {
         let v = Arc::new(Violations::new());
         v.prepared(tid(1), vec![branch()]);
         v.accessed(tid(2), branch());
+        assert_eq!(v.undecided(tid(2)), Ok(vec![tid(1)]));
         let held = tokio::spawn({
             let v = v.clone();
             async move { v.barrier(tid(2)).await }
@@ -259,6 +261,7 @@ mod tests {
         v.accessed(tid(3), branch());
         v.decided(tid(1), false);
         assert!(v.doomed(tid(2)).unwrap().contains("aborted"));
+        assert!(v.undecided(tid(2)).is_err(), "no early vote for the doomed");
         let err = v.barrier(tid(2)).await.unwrap_err();
         assert!(err.contains(&tid(1).to_string()), "{err}");
         // The doomed dependent aborts too, which dooms the next one.

@@ -1505,8 +1505,9 @@ impl TmInner {
 
     /// The dependencies a participant's vote may name instead of waiting
     /// for them: `Some` when its resources report undecided dependencies
-    /// that all have this transaction's coordinator, and the vote goes
-    /// straight to that coordinator (which orders the commit records).
+    /// that all have this transaction's coordinator, none of them refuses,
+    /// and the vote goes straight to that coordinator (which orders the
+    /// commit records). `None` sends the vote through the barrier.
     fn early_vote(&self, slot: &Slot) -> Option<Vec<Tid>> {
         let tid = slot.tid;
         let voter = {
@@ -1521,7 +1522,7 @@ impl TmInner {
             if class == ParticipationClass::NoState {
                 continue;
             }
-            for d in r.undecided_dependencies(tid) {
+            for d in r.undecided_dependencies(tid).ok()? {
                 if !after.contains(&d) {
                     after.push(d);
                 }

@@ -85,8 +85,10 @@ pub trait Resource: Send + Sync + 'static {
     /// for. When they all have `tid`'s coordinator, the transaction manager
     /// may vote at once, naming them, and the coordinator decides `tid` only
     /// after its own log holds their commit records. Default: none.
-    fn undecided_dependencies(&self, _tid: Tid) -> Vec<Tid> {
-        Vec::new()
+    ///
+    /// Fails with the reason `tid` must abort (as `vote_barrier` would).
+    fn undecided_dependencies(&self, _tid: Tid) -> Result<Vec<Tid>, String> {
+        Ok(Vec::new())
     }
 
     /// Phase two, commit (two-phase class). Also called for a branch this

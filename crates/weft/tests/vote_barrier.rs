@@ -192,8 +192,8 @@ impl weft::Resource for Dependent {
     fn vote_barrier(&self, _tid: Tid) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(futures::future::pending())
     }
-    fn undecided_dependencies(&self, _tid: Tid) -> Vec<Tid> {
-        self.on.lock().clone()
+    fn undecided_dependencies(&self, _tid: Tid) -> Result<Vec<Tid>, String> {
+        Ok(self.on.lock().clone())
     }
 }
 
