@@ -1007,7 +1007,10 @@ impl TmInner {
                         tid,
                         vote: vote @ Vote::Yes { durable: true },
                     } => {
-                        let after = std::mem::take(&mut slot.state.lock().vote_after);
+                        // Kept: a repeated vote (the Prepare was retried)
+                        // must name them too, or the coordinator could
+                        // count it before their commit records.
+                        let after = slot.state.lock().vote_after.clone();
                         if after.is_empty() {
                             TxMsg::Vote { tid, vote }
                         } else {

@@ -198,10 +198,12 @@ impl weft::Resource for Dependent {
 }
 
 /// Node 1 coordinates T1 (held at its own barrier) and T2, whose
-/// participant at node 2 used T1's writes. Returns T1's gate and both
-/// commits' handles.
+/// participant at node 2 used T1's writes. With `lose_first_vote`, node 2's
+/// first vote is lost, so node 1 asks again and gets a repeated one.
+/// Returns T1's gate and both commits' handles.
 async fn t2_after_t1(
     c: &Cluster,
+    lose_first_vote: bool,
 ) -> (
     oneshot::Sender<Result<(), String>>,
     tokio::task::JoinHandle<Result<(), weft::Failure>>,
@@ -228,8 +230,22 @@ async fn t2_after_t1(
         gate.barriers.load(Ordering::SeqCst) == 1
     })
     .await;
+    let lossy = weft::LinkFaults {
+        drop: 1.0,
+        scope: weft::FaultScope::Messages,
+        ..weft::LinkFaults::none()
+    };
+    if lose_first_vote {
+        c.plan.set_link(weft::NodeId(2), weft::NodeId(1), lossy);
+    }
     let t2 = tokio::spawn(async move { t2.commit().await });
     tokio::time::sleep(Duration::from_millis(100)).await;
+    if lose_first_vote {
+        c.plan
+            .set_link(weft::NodeId(2), weft::NodeId(1), weft::LinkFaults::none());
+        // The coordinator's retried Prepare draws the vote again.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
     assert!(!t2.is_finished(), "T2 is decided only after T1");
     (open, t1, t2)
 }
@@ -237,7 +253,7 @@ async fn t2_after_t1(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vote_naming_a_transaction_of_the_same_coordinator_commits_right_after_it() {
     let c = Cluster::start(2, 305).await;
-    let (open, t1, t2) = t2_after_t1(&c).await;
+    let (open, t1, t2) = t2_after_t1(&c, false).await;
     open.send(Ok(())).unwrap();
     t1.await.unwrap().unwrap();
     tokio::time::timeout(Duration::from_secs(5), t2)
@@ -250,7 +266,7 @@ async fn a_vote_naming_a_transaction_of_the_same_coordinator_commits_right_after
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vote_naming_a_transaction_that_aborts_aborts_too() {
     let c = Cluster::start(2, 306).await;
-    let (open, t1, t2) = t2_after_t1(&c).await;
+    let (open, t1, t2) = t2_after_t1(&c, false).await;
     open.send(Err("T1 gave up".into())).unwrap();
     assert_eq!(t1.await.unwrap().unwrap_err().status, Status::Aborted);
     let err = tokio::time::timeout(Duration::from_secs(5), t2)
@@ -260,4 +276,17 @@ async fn a_vote_naming_a_transaction_that_aborts_aborts_too() {
         .unwrap_err();
     assert_eq!(err.status, Status::Aborted, "{err}");
     assert!(err.to_string().contains("which aborted"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_vote_still_names_what_it_waits_for() {
+    let c = Cluster::start(2, 307).await;
+    let (open, t1, t2) = t2_after_t1(&c, true).await;
+    open.send(Ok(())).unwrap();
+    t1.await.unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), t2)
+        .await
+        .expect("T2 ends")
+        .unwrap()
+        .unwrap();
 }
