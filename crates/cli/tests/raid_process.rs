@@ -437,8 +437,9 @@ fn a_killed_site_fails_transactions_clearly_and_recovers_with_a_passing_audit() 
     // already prepared; they then stay in doubt, holding the lock on the
     // only branch, and every transaction ends in LockConflict until site 3
     // is back (two-phase commit blocking). At the hook's point the stopped
-    // transaction holds the branch on every copy, so no other transaction
-    // can be prepared anywhere.
+    // transaction is prepared at site 3 and has not voted; transactions
+    // behind it at the other sites may still prepare there (controlled lock
+    // violation), see step 3.
     c.take(3).terminate();
     let ready = c.launch(3, &["--crash-at", "participant-prepared"]);
     assert!(ready.contains("incarnation 2"), "{ready}");
@@ -468,30 +469,46 @@ fn a_killed_site_fails_transactions_clearly_and_recovers_with_a_passing_audit() 
         "transactions needing site 3 end with HostDead/ProcDead: {v}"
     );
     // Besides those: the stopped transaction itself, which its coordinator
-    // aborts when site 3 dies during prepare, ends "Aborted" without that
-    // cause (weft-tx's commit outcome drops it); the client attached to
+    // aborts when site 3 dies during prepare, ends with ProcDead or
+    // HostDead (the cause); a transaction that used its prepared values
+    // aborts with it ("Aborted"); the client attached to
     // site 3 may see "AddrError: no route to node 3" from its own dead link
     // (weft-transport's client reconnect probe); transactions queued behind
     // the stopped one's locks may time out on them. No other status: none
     // waited for a call or transaction timeout.
-    for (status, n) in v["aborts"].as_object().unwrap() {
+    for status in v["aborts"].as_object().unwrap().keys() {
         match status.as_str() {
-            "HostDead" | "ProcDead" | "AddrError" | "LockConflict" => {}
-            "Aborted" => assert_eq!(n, 1, "only the stopped transaction: {v}"),
+            "HostDead" | "ProcDead" | "AddrError" | "LockConflict" | "Aborted" => {}
             other => panic!("unexpected abort status {other}: {v}"),
         }
     }
 
-    // 3. While site 3 is down (and known to be), with nothing left in doubt
-    // at the other sites, a new run: every tpcb transaction writes all
-    // three copies, so none commits, and each ends at once with the dead
-    // site's status.
+    // 3. While site 3 is down (and known to be), with nothing left
+    // undecided at the other sites but what waits for site 3 itself, a new
+    // run: every tpcb transaction writes all three copies, so none
+    // commits, and each ends at once with the dead site's status. (With
+    // controlled lock violation, transactions that site 3 coordinated may
+    // have prepared at sites 1 and 2 behind the stopped one: two-phase
+    // commit keeps them in doubt until their coordinator returns, and
+    // others may still use their values.)
     for at in [1, 2] {
         c.wait_view(at, &inc(2)[..2], Duration::from_secs(10));
         eventually(
-            &format!("site {at} to hold nothing undecided"),
+            &format!("site {at} to hold nothing undecided but what waits for site 3"),
             Duration::from_secs(10),
-            || c.undecided_at(at).filter(|l| l.is_empty()),
+            || {
+                c.undecided_at(at)
+                    .map(|l| {
+                        l.into_iter()
+                            .filter(|t| !(t["in_doubt"] == true && t["parent"] == 3))
+                            .collect::<Vec<_>>()
+                    })
+                    .filter(|l| {
+                        // Shown if the wait fails.
+                        println!("site {at} undecided: {l:?}");
+                        l.is_empty()
+                    })
+            },
         );
     }
     let d = c.run_bg("1s", SEEDS[2]).finish(Duration::from_secs(8));
