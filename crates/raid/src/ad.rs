@@ -3,6 +3,20 @@
 //! weft's transaction manager), sends each copy's site its operations through
 //! the replication rule, and commits.
 //!
+//! A transaction that writes runs at the site of the first copy (the one
+//! every writer locks first): an AD elsewhere ships it to that site's AD.
+//! Conflicting writers then share one coordinator, whose log orders their
+//! commit records: a transaction that used a prepared writer's values (see
+//! [`crate::violation`]) is decided right after it, in the same force,
+//! instead of one force later.
+//!
+//! Shipping runs each request exactly once: a shipped request carries an id,
+//! and its transaction first claims a marker item under that id (on every
+//! copy, with the answer). When the shipping call's answer is lost, the AD
+//! sends the request again; a repeat finds the marker of a committed run
+//! (and returns its answer), waits for a run still deciding, or runs the
+//! request when no run committed.
+//!
 //! Owns the shape of a DebitCredit transaction. Must never write fewer than
 //! all copies, and must abort what it cannot finish (so no history row is
 //! left behind by a failed attempt).
@@ -14,8 +28,9 @@ use weft_rpc::{Rpc, Transaction};
 use weft_wire::{Address, Failure, NodeId, Payload, Status};
 
 use crate::rc::Replicas;
+use crate::schema::tuple;
 use crate::schema::{HistoryRow, Item, Relation};
-use crate::site::{SiteConfig, SiteOp, SiteReply, SiteRequest, SITE_SERVICE};
+use crate::site::{SiteConfig, SiteOp, SiteReply, SiteRequest, AD_HERE_SERVICE, SITE_SERVICE};
 
 /// One action of a Raid-mode transaction.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,6 +65,39 @@ pub enum AdRequest {
     },
 }
 
+impl AdRequest {
+    /// True when the transaction writes (every tpcb one; a raid one with an
+    /// update).
+    pub fn writes(&self) -> bool {
+        match self {
+            AdRequest::Tpcb { .. } => true,
+            AdRequest::Raid { actions } => actions.iter().any(|a| matches!(a, Action::Update(..))),
+        }
+    }
+}
+
+/// A request shipped to the first copy's AD, with the id that makes a
+/// repeat of it harmless.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shipped {
+    /// Chosen at random by the shipping AD; the same for every repeat.
+    pub id: u64,
+    /// The sites holding a copy, as the shipping AD sees them: the run
+    /// writes to exactly these, as the shipping AD would have.
+    pub sites: Vec<NodeId>,
+    /// The transaction.
+    pub req: AdRequest,
+}
+
+/// The first copy's AD's answer to a shipped request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShippedReply {
+    /// The request ran (now or before) to this end.
+    Done(Result<i64, Failure>),
+    /// Another run of the same request holds its marker: ask again.
+    Busy,
+}
+
 /// What a transaction returns: the account balance read (tpcb) or the sum of
 /// the balances read (raid).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,13 +126,141 @@ impl Ad {
         &self.replicas
     }
 
-    /// Runs one transaction to its end.
+    /// Runs one transaction to its end: here, or, when it writes and the
+    /// first copy is at another site, at that site's AD.
     ///
     /// Fails with the status that ended it: LockConflict (a lock not granted
     /// within the action timeout), HostDead/ProcDead (a copy's site is down),
     /// Aborted (a participant aborted it), TimedOut; the transaction is
     /// aborted in every case, leaving nothing behind.
+    ///
+    /// A shipped request whose answer cannot be had within the transaction
+    /// timeout (the first copy's site unreachable all along) fails with
+    /// InDoubt: it may have committed.
     pub async fn run(&self, req: AdRequest) -> Result<i64, Failure> {
+        let primary = self.replicas.first();
+        if primary == self.site() || !req.writes() {
+            return self.run_here(req).await;
+        }
+        let shipped = Shipped {
+            id: rand::random(),
+            sites: self.replicas.all().to_vec(),
+            req,
+        };
+        let give_up = Instant::now() + self.cfg.tx_timeout + Duration::from_secs(2);
+        loop {
+            let addr = Address::new(AD_HERE_SERVICE, primary)
+                .map_err(|e| Failure::new(Status::BadRequest, e.to_string()))?;
+            let deadline =
+                (Instant::now() + self.cfg.tx_timeout + Duration::from_secs(1)).min(give_up);
+            let answer = self
+                .rpc
+                .call_payload(None, &addr, Payload::local(shipped.clone()), Some(deadline))
+                .await;
+            let lost = match answer {
+                Ok(payload) => match payload.decode::<ShippedReply>() {
+                    Ok(ShippedReply::Done(result)) => return result,
+                    Ok(ShippedReply::Busy) => None,
+                    Err(e) => {
+                        return Err(Failure::new(
+                            Status::Mismatch,
+                            format!("the AD at {primary} answered: {e}"),
+                        ))
+                    }
+                },
+                // The answer was lost, or never came: the run may have
+                // committed. Ask again (the marker makes it safe).
+                Err(f)
+                    if matches!(
+                        f.status,
+                        Status::HostDead
+                            | Status::ProcDead
+                            | Status::TimedOut
+                            | Status::Unavailable
+                    ) =>
+                {
+                    Some(f)
+                }
+                Err(f) => return Err(f),
+            };
+            if Instant::now() >= give_up {
+                let why = lost.map(|f| f.to_string()).unwrap_or_else(|| "busy".into());
+                return Err(Failure::new(
+                    Status::InDoubt,
+                    format!(
+                        "request {:016x} shipped to {primary}: no answer before the timeout ({why}); it may have committed",
+                        shipped.id
+                    ),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Runs a shipped request at this site, exactly once per id: its
+    /// transaction claims the request's marker at the first copy; a marker
+    /// found committed answers with the recorded result, a marker held by
+    /// another run answers Busy.
+    pub async fn run_shipped(&self, shipped: Shipped) -> ShippedReply {
+        let marker = Item {
+            rel: Relation::Request,
+            key: shipped.id,
+        };
+        let first = self.replicas.first();
+        let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
+        let claimed = self
+            .call_site(&tx, first, vec![SiteOp::Claim(marker)])
+            .await;
+        match claimed {
+            Ok(a) if a.first() == Some(&1) => {
+                // Ran before: its answer, once that run's outcome is known
+                // here (committing this read waits for it).
+                let read = self.call_site(&tx, first, vec![SiteOp::Read(marker)]).await;
+                return match (read, tx.commit().await) {
+                    (Ok(v), Ok(())) => ShippedReply::Done(Ok(v[0])),
+                    _ => ShippedReply::Busy,
+                };
+            }
+            Ok(_) => {}
+            Err(f) => {
+                let _ = tx.abort(&f.detail).await;
+                return match f.status {
+                    Status::LockConflict | Status::Aborted => ShippedReply::Busy,
+                    _ => ShippedReply::Done(Err(f)),
+                };
+            }
+        }
+        let work = match &shipped.req {
+            AdRequest::Tpcb {
+                aid,
+                teller,
+                branch,
+                delta,
+            } => {
+                self.tpcb(&tx, *aid, *teller, *branch, *delta, Some(marker))
+                    .await
+            }
+            AdRequest::Raid { actions } => match self.raid(&tx, actions).await {
+                Ok(sum) => self
+                    .write_all(&tx, vec![SiteOp::Insert(marker, tuple(sum))])
+                    .await
+                    .map(|_| sum),
+                Err(f) => Err(f),
+            },
+        };
+        ShippedReply::Done(match work {
+            Ok(v) => tx.commit().await.map(|()| v),
+            Err(f) => {
+                let _ = tx.abort(&f.detail).await;
+                Err(f)
+            }
+        })
+    }
+
+    /// Runs one transaction to its end at this site, coordinated here.
+    ///
+    /// Fails like [`Ad::run`].
+    pub async fn run_here(&self, req: AdRequest) -> Result<i64, Failure> {
         let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
         let work = match &req {
             AdRequest::Tpcb {
@@ -92,7 +268,7 @@ impl Ad {
                 teller,
                 branch,
                 delta,
-            } => self.tpcb(&tx, *aid, *teller, *branch, *delta).await,
+            } => self.tpcb(&tx, *aid, *teller, *branch, *delta, None).await,
             AdRequest::Raid { actions } => self.raid(&tx, actions).await,
         };
         match work {
@@ -159,6 +335,7 @@ impl Ad {
         teller: u64,
         branch: u64,
         delta: i64,
+        marker: Option<Item>,
     ) -> Result<i64, Failure> {
         let tid = tx.tid();
         let row = HistoryRow {
@@ -169,7 +346,7 @@ impl Ad {
             bid: branch,
             delta,
         };
-        let ops = vec![
+        let mut ops = vec![
             SiteOp::Update(
                 Item {
                     rel: Relation::Account,
@@ -199,6 +376,10 @@ impl Ad {
                 row.encode(),
             ),
         ];
+        if let Some(m) = marker {
+            // Recorded with the account's new balance, on every copy.
+            ops.push(SiteOp::Mark(m));
+        }
         // The account's new balance is the transaction's read (every copy
         // answers the same).
         Ok(self.write_all(tx, ops).await?[0])

@@ -82,6 +82,7 @@ pub fn audit_store(kv: &Kv) -> SiteAudit {
             Relation::Account => &[Relation::Account],
             Relation::Teller => &[Relation::Teller],
             Relation::Branch => &[Relation::Branch],
+            Relation::Request => &[],
         };
         for rel in touched {
             *a.history_sums.entry(rel.name().to_string()).or_default() += row.delta;

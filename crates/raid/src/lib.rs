@@ -21,7 +21,7 @@ pub mod site;
 pub mod violation;
 pub mod workload;
 
-pub use ad::{Action, Ad, AdReply, AdRequest};
+pub use ad::{Action, Ad, AdReply, AdRequest, Shipped, ShippedReply};
 pub use audit::{Audit, SiteAudit};
 pub use cluster::{ClusterOptions, Counters, RaidCluster};
 pub use load::{LoadReply, LoadRequest};

@@ -25,6 +25,9 @@ pub enum Relation {
     Branch,
     /// The append-only history: one row per update.
     History,
+    /// Markers of shipped transactions: one per committed request id,
+    /// holding the transaction's answer (see `Ad::run_shipped`).
+    Request,
 }
 
 impl Relation {
@@ -38,6 +41,7 @@ impl Relation {
             Relation::Teller => b't',
             Relation::Branch => b'b',
             Relation::History => b'h',
+            Relation::Request => b'r',
         }
     }
 
@@ -48,6 +52,7 @@ impl Relation {
             Relation::Teller => "teller",
             Relation::Branch => "branch",
             Relation::History => "history",
+            Relation::Request => "request",
         }
     }
 }
@@ -205,7 +210,7 @@ impl Sizes {
             Relation::Account => self.accounts,
             Relation::Teller => self.tellers,
             Relation::Branch => self.branches,
-            Relation::History => 0,
+            Relation::History | Relation::Request => 0,
         }
     }
 }

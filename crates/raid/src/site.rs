@@ -30,8 +30,12 @@ use crate::schema::{balance, tuple, Item, Relation};
 
 /// The site service (RC at this copy): runs operations on the local copy.
 pub const SITE_SERVICE: &str = "raid";
-/// The action driver service: runs a whole transaction for a client.
+/// The action driver service: runs a whole transaction for a client (at
+/// this site, or shipped to the first copy's site when it writes).
 pub const AD_SERVICE: &str = "raid-ad";
+/// The action driver service that runs a transaction at this site, never
+/// shipping it (what an AD ships to).
+pub const AD_HERE_SERVICE: &str = "raid-ad-here";
 /// The audit service: sums of this copy.
 pub const AUDIT_SERVICE: &str = "raid-audit";
 /// The load service: fills this copy with the initial database.
@@ -46,6 +50,12 @@ pub enum SiteOp {
     Update(Item, i64),
     /// Exclusive lock, write a history row.
     Insert(Item, Bytes),
+    /// Exclusive lock; answers 1 when the item exists (its balance is then
+    /// readable), 0 when it does not.
+    Claim(Item),
+    /// Exclusive lock, write the item with the batch's first answer (as a
+    /// balance tuple); answers 0.
+    Mark(Item),
 }
 
 /// Operations to run in order on this site's copy, within the caller's
@@ -235,6 +245,34 @@ impl RaidSite {
                         .await?;
                     out.push(new);
                 }
+                SiteOp::Claim(item) => {
+                    inner
+                        .cc
+                        .lock(xid, item, LockMode::Exclusive, deadline)
+                        .await?;
+                    let mut r = inner
+                        .kv
+                        .execute(xid, vec![Op::Get(item.kv_key())], deadline)
+                        .await?;
+                    out.push(match r.pop() {
+                        Some(Reply::Value(v)) => i64::from(v.is_some()),
+                        other => return Err(kv_failure(other)),
+                    });
+                }
+                SiteOp::Mark(item) => {
+                    let first = *out.first().ok_or_else(|| {
+                        Failure::new(Status::BadRequest, "a mark needs an answer before it")
+                    })?;
+                    inner
+                        .cc
+                        .lock(xid, item, LockMode::Exclusive, deadline)
+                        .await?;
+                    inner
+                        .kv
+                        .execute(xid, vec![Op::Put(item.kv_key(), tuple(first))], deadline)
+                        .await?;
+                    out.push(0);
+                }
                 SiteOp::Insert(item, row) => {
                     inner
                         .cc
@@ -359,6 +397,19 @@ impl Plugin for RaidSite {
         )?;
         let site = self.clone();
         rpc.register(
+            AD_HERE_SERVICE,
+            ServiceOptions::no_state(),
+            move |_ctx, req: crate::ad::Shipped| {
+                let site = site.clone();
+                async move {
+                    let me = site.inner.rpc.get().expect("serving").node_id();
+                    let replicas = Replicas::new(req.sites.clone(), me);
+                    Ok(site.ad(replicas)?.run_shipped(req).await)
+                }
+            },
+        )?;
+        let site = self.clone();
+        rpc.register(
             AUDIT_SERVICE,
             ServiceOptions::no_state(),
             move |_ctx, (): ()| {
@@ -396,6 +447,7 @@ fn item_of_key(key: &[u8]) -> Option<Item> {
         b't' => Relation::Teller,
         b'b' => Relation::Branch,
         b'h' => Relation::History,
+        b'r' => Relation::Request,
         _ => return None,
     };
     Some(Item {

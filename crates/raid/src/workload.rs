@@ -19,7 +19,7 @@ use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use weft_wire::Failure;
+use weft_wire::{Failure, Status};
 
 use crate::ad::{Action, AdRequest};
 use crate::schema::{Item, Relation, Sizes};
@@ -167,7 +167,8 @@ fn histogram() -> Histogram<u64> {
 /// Runs `clients` closed-loop clients for `duration`: client `i` sends its
 /// transactions to `runners[i % runners.len()]` and restarts an aborted one
 /// (same operations, new transaction) after the mean response time of its
-/// last few commits. `progress` counts commits as they happen.
+/// last few commits; one that ended InDoubt (it may have committed) is not
+/// run again. `progress` counts commits as they happen.
 pub async fn run_closed<R, F>(
     runners: Vec<R>,
     workload: Workload,
@@ -220,7 +221,9 @@ where
                             out.samples
                                 .entry(f.status.to_string())
                                 .or_insert_with(|| f.detail.clone());
-                            if Instant::now() >= stop {
+                            // An InDoubt transaction may have committed:
+                            // running it again could apply it twice.
+                            if Instant::now() >= stop || f.status == Status::InDoubt {
                                 break;
                             }
                             // Rolling restart: wait the mean response time of

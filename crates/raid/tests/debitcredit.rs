@@ -216,3 +216,66 @@ async fn a_site_crash_and_restart_from_its_log() {
     settle_and_audit(&c, "after restart").await;
     assert_eq!(history_rows(&c), before.committed + after.committed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writing_transactions_are_coordinated_at_the_first_copys_site() {
+    let c = cluster(3, ClusterOptions::default()).await;
+    c.load(small()).await.unwrap();
+    let committed = |site: usize| c.nodes[site].tm().stats().committed;
+    let before: Vec<u64> = (0..3).map(committed).collect();
+    let ads = c.ads().unwrap();
+    let tpcb = AdRequest::Tpcb {
+        aid: 7,
+        teller: 2,
+        branch: 1,
+        delta: 5,
+    };
+    // Submitted at site 3: shipped to site 1, which coordinates it.
+    ads[2].run(tpcb.clone()).await.unwrap();
+    assert_eq!(committed(0), before[0] + 1, "site 1 coordinated it");
+    assert_eq!(committed(2), before[2], "site 3 did not");
+    // A read-only raid transaction stays where it was submitted.
+    let read = AdRequest::Raid {
+        actions: vec![Action::Read(Item {
+            rel: Relation::Account,
+            key: 7,
+        })],
+    };
+    assert!(!read.writes() && tpcb.writes());
+    ads[2].run(read).await.unwrap();
+    assert_eq!(committed(0), before[0] + 1);
+    assert_eq!(committed(2), before[2] + 1, "site 3 ran the read itself");
+    let audit = settle_and_audit(&c, "after shipped transactions").await;
+    assert!(audit.passed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shipped_request_sent_twice_runs_once() {
+    let c = cluster(3, ClusterOptions::default()).await;
+    c.load(small()).await.unwrap();
+    let ads = c.ads().unwrap();
+    let shipped = Shipped {
+        id: 0x5eed,
+        sites: ads[0].replicas().all().to_vec(),
+        req: AdRequest::Tpcb {
+            aid: 9,
+            teller: 3,
+            branch: 1,
+            delta: 11,
+        },
+    };
+    let rows = history_rows(&c);
+    let first = ads[0].run_shipped(shipped.clone()).await;
+    let again = ads[0].run_shipped(shipped).await;
+    let ShippedReply::Done(Ok(balance)) = first else {
+        panic!("the first run commits: {first:?}");
+    };
+    assert_eq!(
+        again,
+        ShippedReply::Done(Ok(balance)),
+        "the repeat answers the first run's result"
+    );
+    let audit = settle_and_audit(&c, "after a repeated request").await;
+    assert!(audit.passed());
+    assert_eq!(history_rows(&c), rows + 1, "one deposit, not two");
+}
