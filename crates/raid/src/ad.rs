@@ -15,7 +15,9 @@
 //! copy, with the answer). When the shipping call's answer is lost, the AD
 //! sends the request again; a repeat finds the marker of a committed run
 //! (and returns its answer), waits for a run still deciding, or runs the
-//! request when no run committed.
+//! request when no run committed. A repeat that fails for good leaves a
+//! marker saying so, so that an earlier copy still on its way cannot run
+//! after the client was told it failed.
 //!
 //! Owns the shape of a DebitCredit transaction. Must never write fewer than
 //! all copies, and must abort what it cannot finish (so no history row is
@@ -82,6 +84,8 @@ impl AdRequest {
 pub struct Shipped {
     /// Chosen at random by the shipping AD; the same for every repeat.
     pub id: u64,
+    /// 0 for the first sending, then 1, 2, ... for repeats.
+    pub attempt: u32,
     /// The sites holding a copy, as the shipping AD sees them: the run
     /// writes to exactly these, as the shipping AD would have.
     pub sites: Vec<NodeId>,
@@ -96,6 +100,18 @@ pub enum ShippedReply {
     Done(Result<i64, Failure>),
     /// Another run of the same request holds its marker: ask again.
     Busy,
+}
+
+/// The marker value of a request whose run failed for good (a balance
+/// never reaches it: additions are checked against overflow).
+const FAILED: i64 = i64::MIN;
+
+/// What claiming a shipped request's marker found.
+enum Claimed {
+    /// No run committed; the marker is locked for this run's transaction.
+    Fresh(Transaction),
+    /// Settled already (or busy): the answer to give.
+    Settled(ShippedReply),
 }
 
 /// What a transaction returns: the account balance read (tpcb) or the sum of
@@ -142,8 +158,9 @@ impl Ad {
         if primary == self.site() || !req.writes() {
             return self.run_here(req).await;
         }
-        let shipped = Shipped {
+        let mut shipped = Shipped {
             id: rand::random(),
+            attempt: 0,
             sites: self.replicas.all().to_vec(),
             req,
         };
@@ -194,6 +211,7 @@ impl Ad {
                 ));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+            shipped.attempt += 1;
         }
     }
 
@@ -206,30 +224,11 @@ impl Ad {
             rel: Relation::Request,
             key: shipped.id,
         };
-        let first = self.replicas.first();
         let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
-        let claimed = self
-            .call_site(&tx, first, vec![SiteOp::Claim(marker)])
-            .await;
-        match claimed {
-            Ok(a) if a.first() == Some(&1) => {
-                // Ran before: its answer, once that run's outcome is known
-                // here (committing this read waits for it).
-                let read = self.call_site(&tx, first, vec![SiteOp::Read(marker)]).await;
-                return match (read, tx.commit().await) {
-                    (Ok(v), Ok(())) => ShippedReply::Done(Ok(v[0])),
-                    _ => ShippedReply::Busy,
-                };
-            }
-            Ok(_) => {}
-            Err(f) => {
-                let _ = tx.abort(&f.detail).await;
-                return match f.status {
-                    Status::LockConflict | Status::Aborted => ShippedReply::Busy,
-                    _ => ShippedReply::Done(Err(f)),
-                };
-            }
-        }
+        let tx = match self.claim(tx, marker, shipped.id).await {
+            Claimed::Fresh(tx) => tx,
+            Claimed::Settled(reply) => return reply,
+        };
         let work = match &shipped.req {
             AdRequest::Tpcb {
                 aid,
@@ -248,13 +247,75 @@ impl Ad {
                 Err(f) => Err(f),
             },
         };
-        ShippedReply::Done(match work {
-            Ok(v) => tx.commit().await.map(|()| v),
+        let failure = match work {
+            Ok(v) => match tx.commit().await {
+                Ok(()) => return ShippedReply::Done(Ok(v)),
+                Err(f) => f,
+            },
             Err(f) => {
                 let _ = tx.abort(&f.detail).await;
-                Err(f)
+                f
             }
-        })
+        };
+        if shipped.attempt == 0 {
+            // Sent once: no other copy of it can arrive.
+            return ShippedReply::Done(Err(failure));
+        }
+        // A repeat failed: an earlier copy may still be on its way. Leave a
+        // marker that says the request failed, unless a run committed in
+        // the meantime.
+        let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
+        match self.claim(tx, marker, shipped.id).await {
+            Claimed::Settled(reply) => reply,
+            Claimed::Fresh(tx) => {
+                let burned = self
+                    .write_all(&tx, vec![SiteOp::Insert(marker, tuple(FAILED))])
+                    .await;
+                match burned {
+                    Ok(_) => match tx.commit().await {
+                        Ok(()) => ShippedReply::Done(Err(failure)),
+                        Err(_) => ShippedReply::Busy,
+                    },
+                    Err(f) => {
+                        let _ = tx.abort(&f.detail).await;
+                        ShippedReply::Busy
+                    }
+                }
+            }
+        }
+    }
+
+    /// Claims a shipped request's marker at the first copy within `tx`.
+    /// `Fresh` when no run committed (the caller holds the marker's lock);
+    /// otherwise the answer to give, and `tx` is finished.
+    async fn claim(&self, tx: Transaction, marker: Item, id: u64) -> Claimed {
+        let first = self.replicas.first();
+        match self
+            .call_site(&tx, first, vec![SiteOp::Claim(marker)])
+            .await
+        {
+            Ok(a) if a.first() == Some(&1) => {
+                // Ran before: its answer, once that run's outcome is known
+                // here (committing this read waits for it).
+                let read = self.call_site(&tx, first, vec![SiteOp::Read(marker)]).await;
+                Claimed::Settled(match (read, tx.commit().await) {
+                    (Ok(v), Ok(())) if v[0] == FAILED => ShippedReply::Done(Err(Failure::new(
+                        Status::Aborted,
+                        format!("request {id:016x} failed in an earlier run"),
+                    ))),
+                    (Ok(v), Ok(())) => ShippedReply::Done(Ok(v[0])),
+                    _ => ShippedReply::Busy,
+                })
+            }
+            Ok(_) => Claimed::Fresh(tx),
+            Err(f) => {
+                let _ = tx.abort(&f.detail).await;
+                Claimed::Settled(match f.status {
+                    Status::LockConflict | Status::Aborted => ShippedReply::Busy,
+                    _ => ShippedReply::Done(Err(f)),
+                })
+            }
+        }
     }
 
     /// Runs one transaction to its end at this site, coordinated here.

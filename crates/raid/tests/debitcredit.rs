@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use weft::{FaultPlan, FaultScope, LinkFaults, NodeId};
+use weft::{FaultPlan, FaultScope, LinkFaults, NodeId, Status};
 use weft_raid::*;
 
 /// A small tpcb database (the benchmark's shape, fewer accounts) for speed.
@@ -256,6 +256,7 @@ async fn a_shipped_request_sent_twice_runs_once() {
     let ads = c.ads().unwrap();
     let shipped = Shipped {
         id: 0x5eed,
+        attempt: 0,
         sites: ads[0].replicas().all().to_vec(),
         req: AdRequest::Tpcb {
             aid: 9,
@@ -278,4 +279,48 @@ async fn a_shipped_request_sent_twice_runs_once() {
     let audit = settle_and_audit(&c, "after a repeated request").await;
     assert!(audit.passed());
     assert_eq!(history_rows(&c), rows + 1, "one deposit, not two");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_that_failed_stops_an_earlier_copy_from_running_later() {
+    let c = cluster(3, ClusterOptions::default()).await;
+    c.load(small()).await.unwrap();
+    let ads = c.ads().unwrap();
+    let sites = ads[0].replicas().all().to_vec();
+    let tpcb = |aid| AdRequest::Tpcb {
+        aid,
+        teller: 1,
+        branch: 1,
+        delta: 3,
+    };
+    let rows = history_rows(&c);
+    // A repeat (attempt 1) fails for good: no such account.
+    let failed = ads[0]
+        .run_shipped(Shipped {
+            id: 0xbad,
+            attempt: 1,
+            sites: sites.clone(),
+            req: tpcb(small().accounts + 1),
+        })
+        .await;
+    assert!(
+        matches!(&failed, ShippedReply::Done(Err(f)) if f.status == Status::BadRequest),
+        "{failed:?}"
+    );
+    // The first copy of the same request arrives late: it must not run.
+    let late = ads[0]
+        .run_shipped(Shipped {
+            id: 0xbad,
+            attempt: 0,
+            sites,
+            req: tpcb(5),
+        })
+        .await;
+    assert!(
+        matches!(&late, ShippedReply::Done(Err(f)) if f.status == Status::Aborted),
+        "{late:?}"
+    );
+    let audit = settle_and_audit(&c, "after a failed repeat").await;
+    assert!(audit.passed());
+    assert_eq!(history_rows(&c), rows, "nothing ran");
 }
