@@ -58,6 +58,19 @@ pub enum SiteOp {
     Mark(Item),
 }
 
+impl SiteOp {
+    /// The item the operation locks, and how.
+    fn lock(&self) -> (Item, LockMode) {
+        match self {
+            SiteOp::Read(item) => (*item, LockMode::Shared),
+            SiteOp::Update(item, _)
+            | SiteOp::Insert(item, _)
+            | SiteOp::Claim(item)
+            | SiteOp::Mark(item) => (*item, LockMode::Exclusive),
+        }
+    }
+}
+
 /// Operations to run in order on this site's copy, within the caller's
 /// transaction.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -224,67 +237,47 @@ impl RaidSite {
         let inner = &self.inner;
         let mut out = Vec::with_capacity(ops.len());
         for op in ops {
-            match op {
-                SiteOp::Read(item) => {
-                    inner.cc.lock(xid, item, LockMode::Shared, deadline).await?;
-                    let v = read_balance(&inner.kv, xid, item, deadline).await?;
-                    out.push(v);
-                }
-                SiteOp::Update(item, delta) => {
-                    inner
-                        .cc
-                        .lock(xid, item, LockMode::Exclusive, deadline)
-                        .await?;
+            // Every operation locks its item first (strict 2PL at the CC).
+            let (item, mode) = op.lock();
+            inner.cc.lock(xid, item, mode, deadline).await?;
+            let put = |value: Bytes| {
+                inner
+                    .kv
+                    .execute(xid, vec![Op::Put(item.kv_key(), value)], deadline)
+            };
+            let answer = match op {
+                SiteOp::Read(_) => read_balance(&inner.kv, xid, item, deadline).await?,
+                SiteOp::Update(_, delta) => {
                     let current = read_balance(&inner.kv, xid, item, deadline).await?;
                     let new = current.checked_add(delta).ok_or_else(|| {
                         Failure::new(Status::BadRequest, format!("{current} + {delta} overflows"))
                     })?;
-                    inner
-                        .kv
-                        .execute(xid, vec![Op::Put(item.kv_key(), tuple(new))], deadline)
-                        .await?;
-                    out.push(new);
+                    put(tuple(new)).await?;
+                    new
                 }
-                SiteOp::Claim(item) => {
-                    inner
-                        .cc
-                        .lock(xid, item, LockMode::Exclusive, deadline)
-                        .await?;
+                SiteOp::Claim(_) => {
                     let mut r = inner
                         .kv
                         .execute(xid, vec![Op::Get(item.kv_key())], deadline)
                         .await?;
-                    out.push(match r.pop() {
+                    match r.pop() {
                         Some(Reply::Value(v)) => i64::from(v.is_some()),
                         other => return Err(kv_failure(other)),
-                    });
+                    }
                 }
-                SiteOp::Mark(item) => {
+                SiteOp::Mark(_) => {
                     let first = *out.first().ok_or_else(|| {
                         Failure::new(Status::BadRequest, "a mark needs an answer before it")
                     })?;
-                    inner
-                        .cc
-                        .lock(xid, item, LockMode::Exclusive, deadline)
-                        .await?;
-                    inner
-                        .kv
-                        .execute(xid, vec![Op::Put(item.kv_key(), tuple(first))], deadline)
-                        .await?;
-                    out.push(0);
+                    put(tuple(first)).await?;
+                    0
                 }
-                SiteOp::Insert(item, row) => {
-                    inner
-                        .cc
-                        .lock(xid, item, LockMode::Exclusive, deadline)
-                        .await?;
-                    inner
-                        .kv
-                        .execute(xid, vec![Op::Put(item.kv_key(), row)], deadline)
-                        .await?;
-                    out.push(0);
+                SiteOp::Insert(_, row) => {
+                    put(row).await?;
+                    0
                 }
-            }
+            };
+            out.push(answer);
         }
         Ok(out)
     }
