@@ -123,13 +123,7 @@ impl Violations {
                     st.cascaded += 1;
                 }
             }
-            if let Some(set) = st.deps.remove(&tid) {
-                for w in set {
-                    if let Some(ds) = st.dependents.get_mut(&w) {
-                        ds.remove(&tid);
-                    }
-                }
-            }
+            drop_deps(&mut st, tid);
             if st.waiting.contains(&tid) {
                 st.doomed
                     .insert(tid, format!("{tid} ended while its vote was held"));
@@ -205,6 +199,8 @@ impl Violations {
     }
 }
 
+/// Forgets what `tid` depends on (and its place among those writers'
+/// dependents).
 fn drop_deps(st: &mut State, tid: Tid) {
     if let Some(set) = st.deps.remove(&tid) {
         for w in set {
