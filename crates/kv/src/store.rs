@@ -262,19 +262,18 @@ impl Store {
             return Vec::new();
         };
         for (k, _) in &writes {
-            let older: Vec<(u64, Tid)> = match self.pending.get(k) {
-                Some(m) => m.range(..lsn).map(|(l, t)| (*l, *t)).collect(),
-                None => continue,
+            let Some(m) = self.pending.get_mut(k) else {
+                continue;
             };
-            for (l, t) in older {
+            // Sets prepared before this one lose `k`; later ones keep it.
+            let later = m.split_off(&lsn);
+            let earlier = std::mem::replace(m, later);
+            if m.is_empty() {
+                self.pending.remove(k);
+            }
+            for t in earlier.into_values() {
                 if let Some((w, _)) = self.prepared.get_mut(&t) {
                     w.retain(|(key, _)| key != k);
-                }
-                if let Some(m) = self.pending.get_mut(k) {
-                    m.remove(&l);
-                    if m.is_empty() {
-                        self.pending.remove(k);
-                    }
                 }
             }
         }
