@@ -17,15 +17,16 @@
 
 use std::collections::HashMap;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::frame::*;
-use crate::ids::{NodeId, ServiceName};
+use crate::heads::{self, RequestHead, ResponseHead};
+use crate::ids::ServiceName;
 use crate::payload::{encode_postcard, EncodeError, Payload};
 use crate::status::Status;
-use crate::txctx::{TxContext, TxReturn, MAX_BAGGAGE_ENTRIES};
+use crate::txctx::MAX_BAGGAGE_ENTRIES;
 
 /// The two magic bytes that start every frame.
 pub const MAGIC: [u8; 2] = *b"wf";
@@ -37,6 +38,21 @@ pub const HEADER_LEN: usize = 12;
 pub const FRAGMENT_OVERHEAD: usize = HEADER_LEN + 32;
 /// Smallest maximum frame size a link may announce.
 pub const MIN_MAX_FRAME: usize = 1024;
+
+/// Whether frames carry a checksum: what the header's CRC32C field holds and
+/// whether the decoder checks it. Both ends of a link use the same.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Integrity {
+    /// The field holds the CRC32C of the frame and the decoder checks it:
+    /// for bytes that cross a medium that can damage them (TCP).
+    #[default]
+    Checksummed,
+    /// The field is zero and nobody checks it: for the shared-memory
+    /// channel, where both ends read the very bytes the writer wrote. There
+    /// a checksum guards against nothing (a hostile peer could compute it)
+    /// and costs a pass over every frame on each side.
+    Trusted,
+}
 
 /// Size limits enforced by the decoder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,32 +156,6 @@ impl DecodeError {
     }
 }
 
-/// Decoded; encoded through [`RequestHeadRef`].
-#[derive(Deserialize)]
-struct RequestHead {
-    call_id: u64,
-    service: ServiceName,
-    instance: u32,
-    node: NodeId,
-    budget_us: Option<u64>,
-    tx: Option<TxContext>,
-    flags: u32,
-}
-
-/// [`RequestHead`] as it is encoded: the same fields in the same order,
-/// borrowed from the request (postcard writes a reference as the value), so
-/// that encoding copies no name and no transaction context.
-#[derive(Serialize)]
-struct RequestHeadRef<'a> {
-    call_id: u64,
-    service: &'a ServiceName,
-    instance: u32,
-    node: NodeId,
-    budget_us: Option<u64>,
-    tx: &'a Option<TxContext>,
-    flags: u32,
-}
-
 /// The front of a [`RequestHead`] with the service name unchecked, to say
 /// what was wrong with a request whose head did not decode.
 #[derive(Deserialize)]
@@ -193,24 +183,6 @@ fn bad_request(e: DecodeError, body: &Bytes) -> DecodeError {
     }
 }
 
-/// Decoded; encoded through [`ResponseHeadRef`].
-#[derive(Deserialize)]
-struct ResponseHead {
-    call_id: u64,
-    status: Status,
-    detail: String,
-    tx: Option<TxReturn>,
-}
-
-/// [`ResponseHead`] as it is encoded, borrowed (see [`RequestHeadRef`]).
-#[derive(Serialize)]
-struct ResponseHeadRef<'a> {
-    call_id: u64,
-    status: Status,
-    detail: &'a str,
-    tx: &'a Option<TxReturn>,
-}
-
 #[derive(Serialize, Deserialize)]
 struct MessageHead {
     port: Port,
@@ -229,13 +201,27 @@ struct FragmentHead {
 /// Fails with [`EncodeError`] when a local payload cannot be encoded; `out` is
 /// then left as it was.
 pub fn encode_frame(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
+    encode_frame_with(frame, Integrity::Checksummed, out)
+}
+
+/// [`encode_frame`] with the given [`Integrity`]: `Trusted` leaves the
+/// checksum field zero.
+///
+/// Fails with [`EncodeError`] when a local payload cannot be encoded; `out` is
+/// then left as it was.
+pub fn encode_frame_with(
+    frame: &Frame,
+    integrity: Integrity,
+    out: &mut BytesMut,
+) -> Result<(), EncodeError> {
     let start = out.len();
     out.reserve(HEADER_LEN + 64);
-    out.put_slice(&MAGIC);
-    out.put_u8(VERSION);
-    out.put_u8(frame.kind() as u8);
-    out.put_u32_le(0); // length, patched below
-    out.put_u32_le(0); // crc, patched below
+    // Length and checksum are patched in below.
+    let mut header = [0u8; HEADER_LEN];
+    header[..2].copy_from_slice(&MAGIC);
+    header[2] = VERSION;
+    header[3] = frame.kind() as u8;
+    out.extend_from_slice(&header);
     let body = encode_body(frame, out);
     if let Err(e) = body {
         out.truncate(start);
@@ -250,12 +236,21 @@ pub fn encode_frame(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError
         });
     };
     out[start + 4..start + 8].copy_from_slice(&len32.to_le_bytes());
-    let crc = crc32c::crc32c_append(
-        crc32c::crc32c(&out[start..start + 8]),
-        &out[start + HEADER_LEN..],
-    );
-    out[start + 8..start + 12].copy_from_slice(&crc.to_le_bytes());
+    if integrity == Integrity::Checksummed {
+        seal(&mut out[start..]);
+    }
     Ok(())
+}
+
+/// The CRC32C of a frame: its header's first 8 bytes, then its body.
+fn checksum(frame: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&frame[..8]), &frame[HEADER_LEN..])
+}
+
+/// Writes the checksum of the one whole frame `frame` into its header.
+fn seal(frame: &mut [u8]) {
+    let crc = checksum(frame);
+    frame[8..12].copy_from_slice(&crc.to_le_bytes());
 }
 
 fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
@@ -266,26 +261,11 @@ fn encode_body(frame: &Frame, out: &mut BytesMut) -> Result<(), EncodeError> {
         Frame::Heartbeat(h) => encode_postcard(h, out),
         Frame::Goodbye(g) => encode_postcard(g, out),
         Frame::Request(r) => {
-            let head = RequestHeadRef {
-                call_id: r.call_id,
-                service: &r.service,
-                instance: r.instance,
-                node: r.node,
-                budget_us: r.budget_us,
-                tx: &r.tx,
-                flags: r.flags,
-            };
-            encode_postcard(&head, out)?;
+            heads::write_request_head(r, out)?;
             r.payload.write_to(out)
         }
         Frame::Response(r) => {
-            let head = ResponseHeadRef {
-                call_id: r.call_id,
-                status: r.status,
-                detail: &r.detail,
-                tx: &r.tx,
-            };
-            encode_postcard(&head, out)?;
+            heads::write_response_head(r, out)?;
             r.payload.write_to(out)
         }
         Frame::Message(m) => {
@@ -338,8 +318,31 @@ pub fn encode_message(
     message_id: u64,
     out: &mut BytesMut,
 ) -> Result<(), MessageEncodeError> {
+    encode_message_with(
+        frame,
+        Integrity::Checksummed,
+        max_frame,
+        max_message,
+        message_id,
+        out,
+    )
+}
+
+/// [`encode_message`] with the given [`Integrity`] for the frames written.
+/// A fragmented frame's own encoding (what the fragments carry) is always
+/// checksummed: the receiver checks it once reassembled, whatever the link.
+///
+/// Fails as [`encode_message`] does.
+pub fn encode_message_with(
+    frame: &Frame,
+    integrity: Integrity,
+    max_frame: usize,
+    max_message: usize,
+    message_id: u64,
+    out: &mut BytesMut,
+) -> Result<(), MessageEncodeError> {
     let start = out.len();
-    encode_frame(frame, out)?; // leaves `out` as it was on failure
+    encode_frame_with(frame, integrity, out)?; // leaves `out` as it was on failure
     let len = out.len() - start;
     if len > max_message {
         out.truncate(start);
@@ -350,6 +353,9 @@ pub fn encode_message(
     }
     if len <= max_frame {
         return Ok(());
+    }
+    if integrity != Integrity::Checksummed {
+        seal(&mut out[start..]);
     }
     let whole = out.split_off(start).freeze();
     let chunk_len = max_frame.max(MIN_MAX_FRAME) - FRAGMENT_OVERHEAD;
@@ -365,7 +371,7 @@ pub fn encode_message(
             count: count32,
             chunk: whole.slice_ref(chunk),
         });
-        encode_frame(&piece, out)?;
+        encode_frame_with(&piece, integrity, out)?;
     }
     Ok(())
 }
@@ -379,6 +385,18 @@ pub fn encode_message(
 /// one decodes. A frame larger than `limits.max_frame` is rejected as soon
 /// as its header arrives.
 pub fn decode_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Frame>, DecodeError> {
+    decode_frame_with(buf, limits, Integrity::Checksummed)
+}
+
+/// [`decode_frame`] for a link whose frames have the given [`Integrity`]:
+/// `Trusted` does not check the checksum field.
+///
+/// Fails as [`decode_frame`] does.
+pub fn decode_frame_with(
+    buf: &mut BytesMut,
+    limits: &Limits,
+    integrity: Integrity,
+) -> Result<Option<Frame>, DecodeError> {
     let Some(body_len) = check_header(buf, limits)? else {
         return Ok(None);
     };
@@ -388,7 +406,7 @@ pub fn decode_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Frame>
         return Ok(None);
     }
     let bytes = buf.split_to(total).freeze();
-    decode_checked(bytes).map(Some)
+    decode_checked(bytes, integrity).map(Some)
 }
 
 /// Decodes exactly one frame from `bytes`: the input must hold one whole frame
@@ -418,7 +436,7 @@ pub fn decode_exact(bytes: Bytes, limits: &Limits) -> Result<Frame, DecodeError>
             extra: bytes.len() - total,
         });
     }
-    decode_checked(bytes)
+    decode_checked(bytes, Integrity::Checksummed)
 }
 
 /// Validates the header at the front of `buf`; returns the body length, or
@@ -450,13 +468,16 @@ fn check_header(buf: &[u8], limits: &Limits) -> Result<Option<usize>, DecodeErro
     Ok(Some(body_len))
 }
 
-/// Decodes one whole frame whose header has been validated.
-fn decode_checked(bytes: Bytes) -> Result<Frame, DecodeError> {
+/// Decodes one whole frame whose header has been validated, checking its
+/// checksum when `integrity` says it has one.
+fn decode_checked(bytes: Bytes, integrity: Integrity) -> Result<Frame, DecodeError> {
     debug_assert!(bytes.len() >= HEADER_LEN);
-    let expected = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
-    let actual = crc32c::crc32c_append(crc32c::crc32c(&bytes[0..8]), &bytes[HEADER_LEN..]);
-    if expected != actual {
-        return Err(DecodeError::Checksum { expected, actual });
+    if integrity == Integrity::Checksummed {
+        let expected = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+        let actual = checksum(&bytes);
+        if expected != actual {
+            return Err(DecodeError::Checksum { expected, actual });
+        }
     }
     let Some(kind) = FrameKind::from_u8(bytes[3]) else {
         return Err(DecodeError::UnknownKind(bytes[3]));
@@ -500,7 +521,10 @@ fn decode_body(kind: FrameKind, body: Bytes) -> Result<Frame, DecodeError> {
         FrameKind::Heartbeat => Frame::Heartbeat(whole(kind, &body)?),
         FrameKind::Goodbye => Frame::Goodbye(whole(kind, &body)?),
         FrameKind::Request => {
-            let (h, rest) = head::<RequestHead>(kind, &body).map_err(|e| bad_request(e, &body))?;
+            let (h, rest) = match heads::read_request_head(&body) {
+                Some((h, used)) => (h, body.slice(used..)),
+                None => head::<RequestHead>(kind, &body).map_err(|e| bad_request(e, &body))?,
+            };
             let entries = h.tx.as_ref().map_or(0, |tx| tx.baggage.0.len());
             if entries > MAX_BAGGAGE_ENTRIES {
                 return Err(DecodeError::BadRequest {
@@ -522,7 +546,10 @@ fn decode_body(kind: FrameKind, body: Bytes) -> Result<Frame, DecodeError> {
             })
         }
         FrameKind::Response => {
-            let (h, rest) = head::<ResponseHead>(kind, &body)?;
+            let (h, rest) = match heads::read_response_head(&body) {
+                Some((h, used)) => (h, body.slice(used..)),
+                None => head::<ResponseHead>(kind, &body)?,
+            };
             Frame::Response(Response {
                 call_id: h.call_id,
                 status: h.status,

@@ -299,9 +299,16 @@ fn valid_name(s: &str) -> bool {
 
 /// A service name: 1 to 64 characters of `[A-Za-z0-9_-]`. Names starting with
 /// `_` are reserved for weft's built-in services.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
+#[serde(try_from = "String")]
 pub struct ServiceName(String);
+
+/// Written as the string it is (borrowed: encoding a name copies nothing).
+impl Serialize for ServiceName {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
 
 impl ServiceName {
     /// Validates and wraps a service name.
@@ -324,6 +331,14 @@ impl ServiceName {
     /// The name as a string slice.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// A name from raw bytes (a frame's), or `None` when they are not a
+    /// valid name: the decoder's fast path, which leaves the error to the
+    /// general one.
+    pub(crate) fn from_bytes(b: &[u8]) -> Option<ServiceName> {
+        let s = std::str::from_utf8(b).ok()?;
+        valid_name(s).then(|| ServiceName(s.to_owned()))
     }
 }
 

@@ -8,14 +8,15 @@
 pub mod auth;
 pub mod codec;
 pub mod frame;
+mod heads;
 pub mod ids;
 pub mod payload;
 pub mod status;
 pub mod txctx;
 
 pub use codec::{
-    decode_exact, decode_frame, encode_frame, encode_message, DecodeError, Limits,
-    MessageEncodeError, Reassembler,
+    decode_exact, decode_frame, decode_frame_with, encode_frame, encode_frame_with, encode_message,
+    encode_message_with, DecodeError, Integrity, Limits, MessageEncodeError, Reassembler,
 };
 pub use frame::{
     Auth, Fragment, Frame, FrameKind, Goodbye, Heartbeat, Hello, Message, PeerRole, Port, Refused,

@@ -265,6 +265,41 @@ proptest! {
         prop_assert_eq!(result.unwrap(), frame);
         prop_assert_eq!(re.in_progress(), 0);
     }
+
+    #[test]
+    fn trusted_frames_carry_no_checksum_and_still_fragment(
+        frame in arb_frame().prop_filter("not a fragment", |f| f.kind() != FrameKind::Fragment),
+        pad in prop::collection::vec(any::<u8>(), 0..6000),
+        max_frame in 1024usize..2048,
+    ) {
+        let frame = match frame {
+            Frame::Message(m) => Frame::Message(Message { port: m.port, payload: Payload::bytes(pad) }),
+            other => other,
+        };
+        let mut out = BytesMut::new();
+        encode_message_with(&frame, Integrity::Trusted, max_frame, usize::MAX, 7, &mut out).unwrap();
+        let limits = Limits { max_frame, ..Limits::default() };
+        // Every frame on the link has a zero checksum field, which a
+        // checksumming decoder refuses.
+        let mut first = out.clone();
+        prop_assert_eq!(&first[8..12], &[0u8; 4]);
+        let checked = decode_frame(&mut first, &limits);
+        prop_assert!(matches!(checked, Err(DecodeError::Checksum { expected: 0, .. })), "{:?}", checked);
+        // The trusting decoder takes them, and a fragmented frame's own
+        // encoding still passes the reassembler's check.
+        let mut re = Reassembler::new(limits);
+        let mut result = None;
+        while let Some(f) = decode_frame_with(&mut out, &limits, Integrity::Trusted).unwrap() {
+            match f {
+                Frame::Fragment(piece) => {
+                    prop_assert!(result.is_none());
+                    result = re.accept(piece).unwrap();
+                }
+                whole => result = Some(whole),
+            }
+        }
+        prop_assert_eq!(result.unwrap(), frame);
+    }
 }
 
 #[test]
