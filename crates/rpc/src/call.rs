@@ -140,11 +140,15 @@ fn decode_response<Resp: DeserializeOwned + Send + 'static>(
 }
 
 fn budget(deadline: Option<Instant>) -> Option<u64> {
-    deadline.map(|d| {
-        d.saturating_duration_since(Instant::now())
-            .as_micros()
-            .min(u64::MAX as u128) as u64
-    })
+    deadline.map(|d| micros_until(d, Instant::now()))
+}
+
+/// Whole microseconds from `now` until `deadline` (0 once past).
+fn micros_until(deadline: Instant, now: Instant) -> u64 {
+    deadline
+        .saturating_duration_since(now)
+        .as_micros()
+        .min(u64::MAX as u128) as u64
 }
 
 impl Rpc {
@@ -360,7 +364,8 @@ impl Rpc {
         deadline: Option<Instant>,
     ) -> Result<Payload, Failure> {
         let inner = &self.inner;
-        let mut deadline = deadline.unwrap_or_else(|| Instant::now() + inner.cfg.default_timeout);
+        let now = Instant::now();
+        let mut deadline = deadline.unwrap_or(now + inner.cfg.default_timeout);
         let mut ctx = tx.cloned();
         if let Some(ctx) = ctx.as_mut() {
             inner.tm.on_call_out(ctx, addr.node)?;
@@ -380,7 +385,7 @@ impl Rpc {
             service: addr.service.clone(),
             instance: addr.instance,
             node: addr.node,
-            budget_us: None,
+            budget_us: Some(micros_until(deadline, now)),
             tx: ctx,
             flags: 0,
             payload,

@@ -480,7 +480,10 @@ impl Endpoint {
     }
 
     /// Calls `to` with `request` (its `call_id` is assigned here) and waits
-    /// for the response until `deadline`.
+    /// for the response until `deadline`. A request without a `budget_us`
+    /// gets the time left until `deadline`; one with a budget keeps it (a
+    /// caller that just read the clock to set the deadline spares a second
+    /// reading).
     ///
     /// Fails with TimedOut at the deadline, HostDead when the detector
     /// declares the node dead meanwhile, ProcDead when its process is gone or
@@ -504,7 +507,7 @@ impl Endpoint {
         } else {
             to
         };
-        if let Some(d) = deadline {
+        if let (Some(d), None) = (deadline, request.budget_us) {
             let left = d.saturating_duration_since(Instant::now());
             request.budget_us = Some(left.as_micros().min(u64::MAX as u128) as u64);
         }
