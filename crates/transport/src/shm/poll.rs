@@ -143,42 +143,28 @@ impl BusyPoll {
     /// delivers what waits, pushes what waits to be sent. Returns true when
     /// anything moved.
     pub fn poll_once(&mut self) -> bool {
-        let generation = GENERATION.load(Ordering::Acquire);
-        if generation != self.generation {
-            self.channels = live_channels();
-            self.generation = generation;
-        }
-        let mut progress = false;
-        for c in &self.channels {
-            progress |= c.service();
-        }
-        progress
-    }
-
-    /// Announces this thread's CPU on every channel it services (their
-    /// peers then know where the consumer runs) and tells whether one of the
-    /// peers runs on the same CPU (then spinning only keeps it from running).
-    fn colocated(&self) -> bool {
-        let cpu = super::mem::current_cpu();
-        let mut same = false;
-        for c in &self.channels {
-            c.publish_cpu(cpu);
-            same |= c.peer_on_cpu(cpu);
-        }
-        same
+        service_all(&mut self.channels, &mut self.generation)
     }
 
     /// Runs `fut` to completion on this thread, servicing the channels
     /// between polls (see the type's documentation).
     pub fn block_on<F: Future>(&mut self, fut: F) -> F::Output {
-        let handle = self.handle.clone();
+        // Field by field: the runtime stays entered (borrowing the handle)
+        // while the channel list is refreshed.
+        let BusyPoll {
+            channels,
+            generation,
+            handle,
+            idle_spin,
+            signal,
+            waker,
+            ..
+        } = self;
         let _runtime = handle.as_ref().map(|h| h.enter());
         let _active = Active::enter();
         let mut fut = std::pin::pin!(fut);
-        let signal = Arc::clone(&self.signal);
         signal.woken.store(true, Ordering::Relaxed);
-        let waker = self.waker.clone();
-        let mut cx = Context::from_waker(&waker);
+        let mut cx = Context::from_waker(waker);
         let mut idle_since: Option<Instant> = None;
         let mut next_yield = YIELD_EVERY;
         let mut spins: u32 = 0;
@@ -188,7 +174,7 @@ impl BusyPoll {
                     return v;
                 }
             }
-            if self.poll_once() {
+            if service_all(channels, generation) {
                 idle_since = None;
                 next_yield = YIELD_EVERY;
                 continue;
@@ -202,14 +188,14 @@ impl BusyPoll {
                 let now = Instant::now();
                 let since = *idle_since.get_or_insert(now);
                 let idle = now.duration_since(since);
-                if idle >= next_yield || self.colocated() {
+                if idle >= next_yield || colocated(channels) {
                     // The peer may be waiting for this very CPU (two
                     // spinners on one CPU only alternate at the scheduler's
                     // tick otherwise).
                     std::thread::yield_now();
                     next_yield = idle + YIELD_EVERY;
                 }
-                if idle >= self.idle_spin {
+                if idle >= *idle_spin {
                     // Hand the rings back to the reader threads and sleep.
                     let idle = Idle::enter();
                     while !signal.woken.load(Ordering::Acquire) {
@@ -222,6 +208,35 @@ impl BusyPoll {
             }
         }
     }
+}
+
+/// Services every channel in `channels` once, first refreshing the list
+/// when channels came or went since `generation`. Returns true when anything
+/// moved.
+fn service_all(channels: &mut Vec<Arc<Channel>>, generation: &mut u64) -> bool {
+    let now = GENERATION.load(Ordering::Acquire);
+    if now != *generation {
+        *channels = live_channels();
+        *generation = now;
+    }
+    let mut progress = false;
+    for c in channels.iter() {
+        progress |= c.service();
+    }
+    progress
+}
+
+/// Announces this thread's CPU on every channel it services (their peers
+/// then know where the consumer runs) and tells whether one of the peers
+/// runs on the same CPU (then spinning only keeps it from running).
+fn colocated(channels: &[Arc<Channel>]) -> bool {
+    let cpu = super::mem::current_cpu();
+    let mut same = false;
+    for c in channels {
+        c.publish_cpu(cpu);
+        same |= c.peer_on_cpu(cpu);
+    }
+    same
 }
 
 /// Counts this thread among the active busy pollers while it lives.
