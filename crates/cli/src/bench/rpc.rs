@@ -207,6 +207,15 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
             f.idle_cpu_percent,
             f.idle_window
         );
+        let rounds: Vec<String> = f
+            .rounds
+            .iter()
+            .map(|(spin, rpc)| format!("{rpc:.2}/{spin:.2}"))
+            .collect();
+        println!(
+            "shm rounds (rpc p50 / floor p50, µs, alternating): {}",
+            rounds.join("  ")
+        );
     }
     println!("targets:");
     let t1 = check(
@@ -270,6 +279,10 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
             "idle_pair_cpu_percent": r2(f.idle_cpu_percent),
             "ratio_rpc_shm_to_tcp_raw": r2(f.rpc.p50() / base),
             "ratio_rpc_shm_to_raw_spin": r2(f.rpc.p50() / f.raw_spin.p50().max(0.01)),
+            "shm_rounds": f.rounds.iter().map(|(spin, rpc)| json!({
+                "shm_raw_spin_p50_us": spin,
+                "rpc_shm_p50_us": rpc,
+            })).collect::<Vec<_>>(),
             "shm_targets_met": shm_targets,
         });
         if let (Some(obj), serde_json::Value::Object(more)) = (report.as_object_mut(), extra) {

@@ -2,6 +2,11 @@
 //! spin ping-pong between two processes), weft RPC to a second `weft node`
 //! process on this host over the shm channel (latency, and throughput with
 //! 64 calls in flight), and the CPU an idle pair of nodes uses.
+//!
+//! The floor and the calls are measured in alternating rounds: on a virtual
+//! machine the floor moves by 3x from one minute to the next (it depends on
+//! where the host places the two virtual CPUs), so one measured before the
+//! other would compare two machines.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +24,9 @@ use crate::child::ChildNode;
 /// Calls kept in flight for the throughput figure.
 pub const IN_FLIGHT: usize = 64;
 
+/// Rounds of (floor, calls) the latency figures are measured in.
+pub const ROUNDS: usize = 5;
+
 /// What the shm phase measured.
 pub struct ShmFigures {
     /// Bare spin ping-pong round trips between two processes.
@@ -31,6 +39,8 @@ pub struct ShmFigures {
     pub rpc_per_s: f64,
     /// Calls per second with [`IN_FLIGHT`] in flight.
     pub rpc_pipelined_per_s: f64,
+    /// Each round's (floor p50, call p50) in microseconds.
+    pub rounds: Vec<(f64, f64)>,
     /// CPU both idle processes used over the idle window, in percent of one
     /// core.
     pub idle_cpu_percent: f64,
@@ -69,7 +79,6 @@ pub async fn rpc_over_shm(
     payload: usize,
     pb: &ProgressBar,
 ) -> anyhow::Result<ShmFigures> {
-    let (raw_spin, raw_spin_per_s) = raw_spin(calls).await?;
     // The same services as the `weft node` child, so that neither waits on
     // the other for a layer it lacks (a group runtime asking a directory
     // without one retries for seconds, and that would count as idle CPU).
@@ -96,16 +105,7 @@ pub async fn rpc_over_shm(
     let measured = measure(&a, &child, calls, payload, pb).await;
     child.terminate(Duration::from_secs(5));
     a.shutdown().await;
-    let (rpc, rpc_per_s, rpc_pipelined_per_s, idle_cpu_percent, idle_window) = measured?;
-    Ok(ShmFigures {
-        raw_spin,
-        raw_spin_per_s,
-        rpc,
-        rpc_per_s,
-        rpc_pipelined_per_s,
-        idle_cpu_percent,
-        idle_window,
-    })
+    measured
 }
 
 async fn measure(
@@ -114,7 +114,7 @@ async fn measure(
     calls: usize,
     payload: usize,
     pb: &ProgressBar,
-) -> anyhow::Result<(Latency, f64, f64, f64, Duration)> {
+) -> anyhow::Result<ShmFigures> {
     wait_for_channel(
         a.endpoint(),
         NodeId(2),
@@ -122,28 +122,31 @@ async fn measure(
         Duration::from_secs(10),
     )
     .await?;
+    let per_round = calls.div_ceil(ROUNDS);
+    let mut raw_spin_all = Latency::default();
+    let mut rpc = Latency::default();
+    let (mut spin_time, mut spin_trips) = (0.0, 0.0);
+    let (mut rpc_time, mut rpc_calls) = (0.0, 0.0);
+    let mut rounds = Vec::new();
+    for _ in 0..ROUNDS {
+        let (spin, spin_per_s) = raw_spin(per_round).await?;
+        spin_time += per_round as f64 / spin_per_s;
+        spin_trips += per_round as f64;
+        let node = a.clone();
+        let (lat, per_s) =
+            tokio::task::spawn_blocking(move || sequential_calls(&node, per_round, payload))
+                .await??;
+        rpc_time += per_round as f64 / per_s;
+        rpc_calls += per_round as f64;
+        rounds.push((spin.p50(), lat.p50()));
+        raw_spin_all.merge(&spin);
+        rpc.merge(&lat);
+    }
     let node = a.clone();
-    let (lat, per_s, pipelined) = tokio::task::spawn_blocking(move || {
+    let pipelined = tokio::task::spawn_blocking(move || {
         let echo: Address = "echo@2".parse().expect("valid address");
         let body = vec![7u8; payload];
-        // The caller's thread drains the rings itself while it waits, so a
-        // response needs no kernel wake-up.
         let mut bp = BusyPoll::new();
-        let mut lat = Latency::default();
-        let warm = calls / 10;
-        let mut started = Instant::now();
-        for i in 0..warm + calls {
-            if i == warm {
-                started = Instant::now();
-            }
-            let p = Payload::bytes(body.clone());
-            let t = Instant::now();
-            bp.block_on(node.rpc().call_payload(None, &echo, p, None))?;
-            if i >= warm {
-                lat.record(t.elapsed());
-            }
-        }
-        let per_s = calls as f64 / started.elapsed().as_secs_f64();
         let started = Instant::now();
         let pipelined: Result<usize, weft::Failure> = bp.block_on(async {
             let mut pending = FuturesUnordered::new();
@@ -167,8 +170,7 @@ async fn measure(
             }
             Ok(done)
         });
-        let pipelined = pipelined? as f64 / started.elapsed().as_secs_f64();
-        Ok::<_, weft::Failure>((lat, per_s, pipelined))
+        Ok::<_, weft::Failure>(pipelined? as f64 / started.elapsed().as_secs_f64())
     })
     .await??;
     // Idle: let the spinning readers settle, then count both processes' CPU
@@ -182,5 +184,44 @@ async fn measure(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let pids = [std::process::id(), child.id()];
     let cpu = tokio::task::spawn_blocking(move || shm_bench::cpu_percent(&pids, window)).await??;
-    Ok((lat, per_s, pipelined, cpu, window))
+    Ok(ShmFigures {
+        raw_spin: raw_spin_all,
+        raw_spin_per_s: spin_trips / spin_time,
+        rpc,
+        rpc_per_s: rpc_calls / rpc_time,
+        rpc_pipelined_per_s: pipelined,
+        rounds,
+        idle_cpu_percent: cpu,
+        idle_window: window,
+    })
+}
+
+/// `calls` echo calls to node 2, one at a time, after a warm-up of a tenth,
+/// from a thread that busy-polls the rings (so a response needs no kernel
+/// wake-up). Returns their latencies and calls per second.
+///
+/// Fails with the first call's failure.
+fn sequential_calls(
+    node: &Node,
+    calls: usize,
+    payload: usize,
+) -> Result<(Latency, f64), weft::Failure> {
+    let echo: Address = "echo@2".parse().expect("valid address");
+    let body = vec![7u8; payload];
+    let mut bp = BusyPoll::new();
+    let mut lat = Latency::default();
+    let warm = calls / 10;
+    let mut started = Instant::now();
+    for i in 0..warm + calls {
+        if i == warm {
+            started = Instant::now();
+        }
+        let p = Payload::bytes(body.clone());
+        let t = Instant::now();
+        bp.block_on(node.rpc().call_payload(None, &echo, p, None))?;
+        if i >= warm {
+            lat.record(t.elapsed());
+        }
+    }
+    Ok((lat, calls as f64 / started.elapsed().as_secs_f64()))
 }
