@@ -221,6 +221,8 @@ struct SlotState {
 
 struct Slot {
     tid: Tid,
+    /// Order of creation among this node's slots (see `TmInner::slots_made`).
+    born: u64,
     state: Mutex<SlotState>,
     calls_done: Notify,
     /// Notified when the commit record is appended or the outcome is set.
@@ -294,6 +296,11 @@ struct TmInner {
     /// Wakes the timer when a transaction appears (it sleeps while none is
     /// live, so an idle node does not tick).
     work: Arc<Notify>,
+    /// Slots made so far: a node's death, announced when this read `n`,
+    /// concerns only slots born before `n`. A transaction begun after the
+    /// announcement (with the node's next incarnation, say) never used the
+    /// node that died, even if the announcement is handled after it began.
+    slots_made: AtomicU64,
 }
 
 /// The transaction manager of one node. Cheap to clone.
@@ -387,18 +394,26 @@ impl TxManager {
             counters: Counters::default(),
             early_released: AtomicU64::new(0),
             work: Arc::new(Notify::new()),
+            slots_made: AtomicU64::new(0),
             cfg,
         });
         endpoint.set_port_handler(Port::TX, Arc::new(TxPort(Arc::downgrade(&inner))));
         let weak = Arc::downgrade(&inner);
         endpoint.on_membership(move |event| {
-            let (node, status) = match event {
-                MembershipEvent::Left { node, cause, .. } => (*node, *cause),
+            let (node, status, gone) = match event {
+                MembershipEvent::Left {
+                    node,
+                    cause,
+                    incarnation,
+                    ..
+                } => (*node, *cause, *incarnation),
                 _ => return,
             };
             if let Some(inner) = weak.upgrade() {
-                // Listeners must not block: hand the work to a task.
-                tokio::spawn(async move { inner.peer_dead(node, status) });
+                // Listeners must not block: hand the work to a task, which
+                // spares the transactions begun after this moment.
+                let born_before = inner.slots_made.load(Ordering::Acquire);
+                tokio::spawn(async move { inner.peer_dead(node, status, gone, born_before) });
             }
         });
         tokio::spawn(TmInner::timer_task(
@@ -879,9 +894,10 @@ impl TmInner {
         }
     }
 
-    fn new_slot(tid: Tid, core: TxCore) -> Arc<Slot> {
+    fn new_slot(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
         Arc::new(Slot {
             tid,
+            born: self.slots_made.fetch_add(1, Ordering::AcqRel),
             state: Mutex::new(SlotState {
                 core,
                 enlisted: Vec::new(),
@@ -904,7 +920,7 @@ impl TmInner {
     }
 
     fn insert_slot(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
-        let slot = TmInner::new_slot(tid, core);
+        let slot = self.new_slot(tid, core);
         self.txs.lock().insert(tid, slot.clone());
         self.work.notify_one();
         slot
@@ -915,7 +931,7 @@ impl TmInner {
             .txs
             .lock()
             .entry(tid)
-            .or_insert_with(|| TmInner::new_slot(tid, core))
+            .or_insert_with(|| self.new_slot(tid, core))
             .clone();
         self.work.notify_one();
         slot
@@ -1644,14 +1660,36 @@ impl TmInner {
         Ok(())
     }
 
-    fn peer_dead(self: &Arc<Self>, node: NodeId, status: Status) {
-        let slots: Vec<Arc<Slot>> = self.txs.lock().values().cloned().collect();
+    /// `node` died (its incarnation `gone`, when known): every transaction
+    /// born before `born_before` that waits on it gets the news, as its
+    /// parent or voter, or as a child called at that incarnation (a child
+    /// first called at the node's next incarnation lost nothing).
+    fn peer_dead(
+        self: &Arc<Self>,
+        node: NodeId,
+        status: Status,
+        gone: Option<Incarnation>,
+        born_before: u64,
+    ) {
+        let died =
+            |inc: Incarnation| gone.is_none_or(|g| inc == g || inc == Incarnation::default());
+        let slots: Vec<Arc<Slot>> = self
+            .txs
+            .lock()
+            .values()
+            .filter(|s| s.born < born_before)
+            .cloned()
+            .collect();
         for slot in slots {
             let involved = {
                 let st = slot.state.lock();
                 st.core.parent() == Some(node)
                     || st.core.voter() == Some(node)
-                    || st.core.children().iter().any(|(n, _)| *n == node)
+                    || st
+                        .core
+                        .children()
+                        .iter()
+                        .any(|(n, inc)| *n == node && died(*inc))
             };
             if involved {
                 let me = Arc::clone(self);
@@ -1743,5 +1781,87 @@ fn local_vote_volatile(st: &SlotState) -> Vote {
         Vote::Yes { durable: false }
     } else {
         Vote::ReadOnly
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weft_log::LogConfig;
+    use weft_transport::{InprocHub, Seed, TransportConfig};
+
+    async fn node(
+        id: u32,
+        hub: &Arc<InprocHub>,
+        dir: &std::path::Path,
+    ) -> (Endpoint, Option<TxManager>) {
+        let cfg = TransportConfig {
+            hub: Some(hub.clone()),
+            ..TransportConfig::node(NodeId(id), Incarnation(1))
+        };
+        let endpoint = Endpoint::start(cfg).await.expect("endpoint");
+        if id != 1 {
+            endpoint.join(Seed::Inproc(NodeId(1))).await.expect("join");
+            return (endpoint, None);
+        }
+        let cfg = LogConfig::new(dir.join(format!("log-{id}"))).preallocate(false);
+        let (log, _) = Log::open(cfg).expect("log");
+        let tm = TxManager::start(endpoint.clone(), log, TmConfig::default());
+        (endpoint, Some(tm))
+    }
+
+    /// Whether the transaction still takes calls (an aborted one refuses).
+    fn active(tm: &TxManager, ctx: &TxContext) -> bool {
+        tm.on_call_out(ctx, NodeId(3)).is_ok()
+    }
+
+    async fn settle() {
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_death_concerns_the_incarnation_and_the_transactions_it_was_announced_to() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let hub = InprocHub::new();
+        let (_e1, tm) = node(1, &hub, dir.path()).await;
+        let tm = tm.expect("node 1 has a transaction manager");
+        let (_e2, _) = node(2, &hub, dir.path()).await;
+        assert_eq!(
+            tm.endpoint().peer_incarnation(NodeId(2)),
+            Some(Incarnation(1))
+        );
+
+        // Both call node 2 at its incarnation 1.
+        let older = tm.begin(None);
+        tm.on_call_out(&older, NodeId(2)).expect("active");
+        let announced_at = tm.inner.slots_made.load(Ordering::Acquire);
+        let newer = tm.begin(None);
+        tm.on_call_out(&newer, NodeId(2)).expect("active");
+
+        // Another incarnation's death concerns neither.
+        tm.inner
+            .peer_dead(NodeId(2), Status::ProcDead, Some(Incarnation(7)), u64::MAX);
+        settle().await;
+        assert!(active(&tm, &older) && active(&tm, &newer));
+
+        // Incarnation 1's death, announced between the two, ends only the
+        // transaction that existed when it was announced.
+        tm.inner.peer_dead(
+            NodeId(2),
+            Status::ProcDead,
+            Some(Incarnation(1)),
+            announced_at,
+        );
+        settle().await;
+        assert!(!active(&tm, &older), "it used the node that died");
+        assert!(active(&tm, &newer), "it began after the announcement");
+
+        // Without an incarnation, a death concerns every child at the node.
+        tm.inner
+            .peer_dead(NodeId(2), Status::HostDead, None, u64::MAX);
+        settle().await;
+        assert!(!active(&tm, &newer));
     }
 }
