@@ -47,7 +47,7 @@ use weft_wire::{
 use super::mem::{self, Segment};
 use super::poll;
 use super::ring::{Consumer, Layout, Producer, Ring, RingError};
-use super::wait::AdaptiveSpin;
+use super::wait::{AdaptiveSpin, Placement};
 use super::{ShmConfig, SpinPolicy};
 use crate::channel::{io_error, ChannelKind, IoError, LinkIo};
 use crate::link::Link;
@@ -496,6 +496,7 @@ impl Channel {
     fn reader_loop(self: Arc<Self>, handle: Option<tokio::runtime::Handle>) {
         let _runtime = handle.as_ref().map(|h| h.enter());
         let mut spin = AdaptiveSpin::new(self.policy);
+        let mut placement = Placement::default();
         while !self.is_finished() {
             if self.service() {
                 continue;
@@ -509,8 +510,14 @@ impl Channel {
             self.publish_cpu(mem::current_cpu());
             let ready = || self.has_work() || poll::pollers_active();
             let colocated = || {
-                let cpu = mem::current_cpu();
+                let mut cpu = mem::current_cpu();
                 self.publish_cpu(cpu);
+                if self.peer_on_cpu(cpu) && self.steps_aside() {
+                    if let Some(moved) = placement.step_aside(cpu) {
+                        cpu = moved;
+                        self.publish_cpu(cpu);
+                    }
+                }
                 self.peer_on_cpu(cpu)
             };
             if spin.wait(ready, colocated) {
@@ -565,6 +572,13 @@ impl Channel {
             .cpu(self.words(), 1 - self.side)
             .load(Ordering::Relaxed)
             == u64::from(cpu)
+    }
+
+    /// True when this end is the one that moves to another CPU when both
+    /// ends spin on the same one (see [`Placement`]): side 0, so that the
+    /// two never both move, and maybe onto the same CPU again.
+    pub(crate) fn steps_aside(&self) -> bool {
+        self.side == 0
     }
 
     /// Unparks the reader thread if it stands down for a busy poller.

@@ -1,6 +1,6 @@
 //! Everything of the shm channel that needs `unsafe`: memfd segments and
 //! their shared mappings, futex waits and wakes, passing a descriptor over a
-//! Unix socket, process liveness and CPU clocks.
+//! Unix socket, process liveness, CPU clocks and moving a thread off a CPU.
 //!
 //! Owns every `unsafe` block of the shm channel, each with a `// SAFETY:`
 //! comment. Must never hand out a Rust reference to shared memory other than
@@ -432,6 +432,56 @@ pub(crate) fn current_cpu() -> u32 {
     u32::try_from(cpu).unwrap_or(u32::MAX)
 }
 
+/// The CPUs the calling thread may run on, or `None` if the kernel would
+/// not say.
+fn allowed_cpus() -> Option<libc::cpu_set_t> {
+    // SAFETY: cpu_set_t is a plain bit array, for which all zeroes is a
+    // valid (empty) set; sched_getaffinity writes at most `size_of` bytes
+    // into the set it is given a pointer to, which lives for the call.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let r = libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set);
+        (r == 0).then_some(set)
+    }
+}
+
+/// Moves the calling thread off `cpu` onto another CPU it may run on, and
+/// leaves the set of CPUs it may run on as it was: the kernel migrates a
+/// thread at once when its own affinity excludes the CPU it runs on, and
+/// widening the set again does not move it back.
+///
+/// Returns the CPU the thread runs on afterwards, or `None` (nothing
+/// changed) when `cpu` is not one it may run on, there is no other, or the
+/// kernel refused.
+pub(crate) fn move_off_cpu(cpu: u32) -> Option<u32> {
+    let cpu = usize::try_from(cpu).ok()?;
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return None;
+    }
+    let allowed = allowed_cpus()?;
+    let mut elsewhere = allowed;
+    // SAFETY: `cpu` is below CPU_SETSIZE (checked above), so the macros
+    // index within the set; sched_setaffinity only reads the set it is
+    // given, which lives for the call.
+    unsafe {
+        if !libc::CPU_ISSET(cpu, &allowed) {
+            return None;
+        }
+        libc::CPU_CLR(cpu, &mut elsewhere);
+        if libc::CPU_COUNT(&elsewhere) == 0 {
+            return None;
+        }
+        let size = size_of::<libc::cpu_set_t>();
+        if libc::sched_setaffinity(0, size, &elsewhere) != 0 {
+            return None;
+        }
+        // Failing to widen the set again would leave the thread pinned off
+        // one CPU: harmless, and nothing better could be done.
+        let _ = libc::sched_setaffinity(0, size, &allowed);
+    }
+    Some(current_cpu())
+}
+
 /// This process's real user id.
 pub(crate) fn uid() -> u32 {
     // SAFETY: getuid has no preconditions and cannot fail.
@@ -570,6 +620,33 @@ mod tests {
         // Nothing more waiting: WouldBlock, not a hang.
         let e = recv_with_fd(b.as_fd(), &mut buf).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+    }
+
+    #[test]
+    fn moving_off_a_cpu_lands_elsewhere_and_keeps_the_allowed_set() {
+        // In a thread of its own: the test harness's threads keep theirs.
+        std::thread::spawn(|| {
+            let before = allowed_cpus().expect("affinity readable");
+            // SAFETY (test): reading a set the kernel filled.
+            let usable = unsafe { libc::CPU_COUNT(&before) };
+            let here = current_cpu();
+            let moved = move_off_cpu(here);
+            if usable >= 2 {
+                let there = moved.expect("another CPU is allowed");
+                assert_ne!(there, here, "the thread left its CPU");
+            } else {
+                assert_eq!(moved, None, "nowhere else to go");
+            }
+            let after = allowed_cpus().unwrap();
+            // SAFETY (test): indices below CPU_SETSIZE.
+            let same = (0..libc::CPU_SETSIZE as usize)
+                .all(|c| unsafe { libc::CPU_ISSET(c, &before) == libc::CPU_ISSET(c, &after) });
+            assert!(same, "the allowed set is unchanged");
+            assert_eq!(move_off_cpu(u32::MAX), None);
+            assert_eq!(move_off_cpu(libc::CPU_SETSIZE as u32), None);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

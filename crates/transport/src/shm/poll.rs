@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::channel::Channel;
+use super::wait::Placement;
 
 static REGISTRY: Mutex<Vec<Weak<Channel>>> = Mutex::new(Vec::new());
 static GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -104,6 +105,7 @@ pub struct BusyPoll {
     generation: u64,
     handle: Option<tokio::runtime::Handle>,
     idle_spin: Duration,
+    placement: Placement,
     /// Reused by every `block_on` (it names this thread: a BusyPoll stays on
     /// the thread that made it).
     signal: Arc<Signal>,
@@ -126,6 +128,7 @@ impl BusyPoll {
             generation: u64::MAX,
             handle: tokio::runtime::Handle::try_current().ok(),
             idle_spin: Self::DEFAULT_IDLE_SPIN,
+            placement: Placement::default(),
             waker: Waker::from(signal.clone()),
             signal,
             _not_send: std::marker::PhantomData,
@@ -156,6 +159,7 @@ impl BusyPoll {
             generation,
             handle,
             idle_spin,
+            placement,
             signal,
             waker,
             ..
@@ -188,7 +192,7 @@ impl BusyPoll {
                 let now = Instant::now();
                 let since = *idle_since.get_or_insert(now);
                 let idle = now.duration_since(since);
-                if idle >= next_yield || colocated(channels) {
+                if idle >= next_yield || colocated(channels, placement) {
                     // The peer may be waiting for this very CPU (two
                     // spinners on one CPU only alternate at the scheduler's
                     // tick otherwise).
@@ -228,15 +232,29 @@ fn service_all(channels: &mut Vec<Arc<Channel>>, generation: &mut u64) -> bool {
 
 /// Announces this thread's CPU on every channel it services (their peers
 /// then know where the consumer runs) and tells whether one of the peers
-/// runs on the same CPU (then spinning only keeps it from running).
-fn colocated(channels: &[Arc<Channel>]) -> bool {
+/// runs on the same CPU (then spinning only keeps it from running). When
+/// this end is the one to step aside from such a peer, first moves to
+/// another CPU.
+fn colocated(channels: &[Arc<Channel>], placement: &mut Placement) -> bool {
+    let announce = |cpu: u32| {
+        let (mut same, mut mover) = (false, false);
+        for c in channels {
+            c.publish_cpu(cpu);
+            let here = c.peer_on_cpu(cpu);
+            same |= here;
+            mover |= here && c.steps_aside();
+        }
+        (same, mover)
+    };
     let cpu = super::mem::current_cpu();
-    let mut same = false;
-    for c in channels {
-        c.publish_cpu(cpu);
-        same |= c.peer_on_cpu(cpu);
+    let (same, mover) = announce(cpu);
+    if !mover {
+        return same;
     }
-    same
+    match placement.step_aside(cpu) {
+        Some(moved) => announce(moved).0,
+        None => same,
+    }
 }
 
 /// Counts this thread among the active busy pollers while it lives.

@@ -91,6 +91,40 @@ impl AdaptiveSpin {
     }
 }
 
+/// Moves a spinning thread off the CPU its peer spins on.
+///
+/// Two threads that spin waiting for each other on one CPU only take turns
+/// (each yield hands the CPU over), a context switch per message. The
+/// kernel's balancer does not separate them even with another CPU idle:
+/// both always ran a moment ago, so both count as cache-hot and neither is
+/// migrated. So one of the two, the peer that the channel designates, steps
+/// aside itself, at most once per [`MOVE_EVERY`] (more spinners than CPUs
+/// can never all be apart; then this only bounds the churn).
+#[derive(Debug, Default)]
+pub(crate) struct Placement {
+    last_move: Option<Instant>,
+}
+
+/// A thread steps aside at most this often.
+const MOVE_EVERY: Duration = Duration::from_millis(5);
+
+impl Placement {
+    /// The calling thread runs on `cpu` together with its peer: moves it
+    /// elsewhere unless it moved less than [`MOVE_EVERY`] ago. Returns the
+    /// CPU it runs on afterwards, or `None` when it did not move.
+    pub(crate) fn step_aside(&mut self, cpu: u32) -> Option<u32> {
+        let now = Instant::now();
+        if self
+            .last_move
+            .is_some_and(|t| now.duration_since(t) < MOVE_EVERY)
+        {
+            return None;
+        }
+        self.last_move = Some(now);
+        super::mem::move_off_cpu(cpu).filter(|&c| c != cpu)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +164,23 @@ mod tests {
         );
         s.parked(Duration::from_micros(10), false);
         assert_eq!(s.budget(), Duration::from_micros(48), "woken for nothing");
+    }
+
+    #[test]
+    fn stepping_aside_moves_at_most_once_per_period() {
+        std::thread::spawn(|| {
+            let mut p = Placement::default();
+            let two_cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2;
+            let here = crate::shm::mem::current_cpu();
+            let first = p.step_aside(here);
+            if two_cpus {
+                assert!(first.is_some_and(|c| c != here), "moved off {here}");
+            }
+            let now = crate::shm::mem::current_cpu();
+            assert_eq!(p.step_aside(now), None, "too soon to move again");
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
