@@ -262,7 +262,7 @@ struct Handlers {
 pub(crate) struct Inner {
     pub(crate) cfg: TransportConfig,
     pub(crate) secret: Arc<[u8]>,
-    pub(crate) stats: Stats,
+    pub(crate) stats: Arc<Stats>,
     hub: Option<Arc<InprocHub>>,
     me: RwLock<NodeInfo>,
     peers: Mutex<HashMap<NodeId, PeerEntry>>,
@@ -275,7 +275,7 @@ pub(crate) struct Inner {
     gateway: Mutex<Option<NodeId>>,
     link_ids: AtomicU64,
     call_ids: AtomicU64,
-    crashed: AtomicBool,
+    crashed: Arc<AtomicBool>,
     closing: AtomicBool,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     refusals: Mutex<VecDeque<String>>,
@@ -338,11 +338,11 @@ impl Endpoint {
             gateway: Mutex::new(None),
             link_ids: AtomicU64::new(1),
             call_ids: AtomicU64::new(1),
-            crashed: AtomicBool::new(false),
+            crashed: Arc::new(AtomicBool::new(false)),
             closing: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
             refusals: Mutex::new(VecDeque::new()),
-            stats: Stats::default(),
+            stats: Arc::new(Stats::default()),
             cfg,
         });
         if let Some(addr) = inner.cfg.listen.filter(|_| inner.cfg.channels.tcp) {
@@ -693,6 +693,12 @@ impl Inner {
 
     pub(crate) fn is_crashed(&self) -> bool {
         self.crashed.load(Ordering::Acquire)
+    }
+
+    /// The flag [`Inner::is_crashed`] reads, for a link to read without
+    /// reaching the endpoint.
+    pub(crate) fn crashed_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.crashed)
     }
 
     pub(crate) fn is_closing(&self) -> bool {

@@ -16,7 +16,7 @@ use weft_wire::{
 };
 
 use crate::channel::{ChannelKind, IoError, LinkIo};
-use crate::endpoint::Inner;
+use crate::endpoint::{Inner, Stats};
 use crate::fault::FaultPlan;
 use crate::handshake::{Handshake, Side, Step};
 
@@ -56,7 +56,16 @@ pub(crate) struct Link {
     kind: ChannelKind,
     io: OnceLock<Arc<dyn LinkIo>>,
     ep: Weak<Inner>,
+    /// The endpoint's crashed flag and counters: sending reads and counts
+    /// without reaching the endpoint (an upgrade of `ep` is two atomic
+    /// operations on a count every thread of the node touches).
+    crashed: Arc<AtomicBool>,
+    stats: Arc<Stats>,
     state: Mutex<State>,
+    /// The peer once the handshake is done (never unset: a closed link is
+    /// told by `closed`), so a received frame is dispatched without taking
+    /// the state lock.
+    up: OnceLock<PeerRef>,
     reassembler: Mutex<Reassembler>,
     /// The node this link is meant to reach (initiator) or that it turned
     /// out to reach (after the peer's Hello); used for fault verdicts.
@@ -96,7 +105,10 @@ impl Link {
             kind,
             io: OnceLock::new(),
             ep: Arc::downgrade(ep),
+            crashed: ep.crashed_flag(),
+            stats: Arc::clone(&ep.stats),
             state: Mutex::new(State::Handshaking(Box::new(hs))),
+            up: OnceLock::new(),
             reassembler: Mutex::new(Reassembler::new(ep.cfg.limits)),
             peer_hint: Mutex::new(expected_peer),
             fault: ep.cfg.fault.clone().map(|f| (f, ep.cfg.node)),
@@ -203,12 +215,10 @@ impl Link {
         let Some(io) = self.io.get() else {
             return Err(IoError::Closed);
         };
-        if let Some(ep) = self.ep.upgrade() {
-            if ep.is_crashed() {
-                return Ok(()); // a crashed node sends nothing, silently
-            }
-            ep.stats.count_sent(frame.kind());
+        if self.crashed.load(Ordering::Acquire) {
+            return Ok(()); // a crashed node sends nothing, silently
         }
+        self.stats.count_sent(frame.kind());
         let Some((plan, me)) = &self.fault else {
             return io.send(frame);
         };
@@ -279,6 +289,10 @@ impl Link {
     pub(crate) fn on_frame(self: &Arc<Self>, frame: Frame) {
         let Some(ep) = self.ep.upgrade() else { return };
         if ep.is_crashed() || self.is_closed() {
+            return;
+        }
+        if let Some(peer) = self.up.get() {
+            self.dispatch(&ep, *peer, frame);
             return;
         }
         let mut state = self.state.lock();
@@ -447,6 +461,7 @@ impl Link {
             return None;
         }
         *st = State::Up(peer);
+        let _ = self.up.set(peer);
         Some(peer)
     }
 }
