@@ -75,6 +75,12 @@ impl Latency {
         r2(self.0.value_at_quantile(0.5) as f64 / 1000.0)
     }
 
+    /// Median in nanoseconds, unrounded (for ratios of sub-microsecond
+    /// figures, which two decimals of a microsecond would skew).
+    pub fn p50_ns(&self) -> u64 {
+        self.0.value_at_quantile(0.5)
+    }
+
     /// 99th percentile in microseconds.
     pub fn p99(&self) -> f64 {
         r2(self.0.value_at_quantile(0.99) as f64 / 1000.0)

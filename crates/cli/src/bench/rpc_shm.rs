@@ -29,6 +29,9 @@ pub const ROUNDS: usize = 5;
 
 /// What the shm phase measured.
 pub struct ShmFigures {
+    /// Round trips measured of the floor and of the calls (each, over all
+    /// rounds).
+    pub calls: usize,
     /// Bare spin ping-pong round trips between two processes.
     pub raw_spin: Latency,
     /// Its round trips per second.
@@ -138,7 +141,7 @@ async fn measure(
                 .await??;
         rpc_time += per_round as f64 / per_s;
         rpc_calls += per_round as f64;
-        rounds.push((spin.p50(), lat.p50()));
+        rounds.push((spin.p50_ns() as f64 / 1000.0, lat.p50_ns() as f64 / 1000.0));
         raw_spin_all.merge(&spin);
         rpc.merge(&lat);
     }
@@ -185,6 +188,7 @@ async fn measure(
     let pids = [std::process::id(), child.id()];
     let cpu = tokio::task::spawn_blocking(move || shm_bench::cpu_percent(&pids, window)).await??;
     Ok(ShmFigures {
+        calls: per_round * ROUNDS,
         raw_spin: raw_spin_all,
         raw_spin_per_s: spin_trips / spin_time,
         rpc,
