@@ -98,30 +98,62 @@ impl AdaptiveSpin {
 /// kernel's balancer does not separate them even with another CPU idle:
 /// both always ran a moment ago, so both count as cache-hot and neither is
 /// migrated. So one of the two, the peer that the channel designates, steps
-/// aside itself, at most once per [`MOVE_EVERY`] (more spinners than CPUs
-/// can never all be apart; then this only bounds the churn).
-#[derive(Debug, Default)]
+/// aside itself.
+///
+/// Where there are more spinners than CPUs no placement keeps them apart,
+/// and moving only costs migrations: a thread that finds itself sharing a
+/// CPU again soon after a move waits twice as long before the next one (up
+/// to [`MOVE_EVERY_MAX`]); a move that held for a while resets the wait to
+/// [`MOVE_EVERY`].
+#[derive(Debug)]
 pub(crate) struct Placement {
     last_move: Option<Instant>,
+    every: Duration,
 }
 
 /// A thread steps aside at most this often.
 const MOVE_EVERY: Duration = Duration::from_millis(5);
 
+/// The longest wait between two moves, when moves do not help.
+const MOVE_EVERY_MAX: Duration = Duration::from_millis(320);
+
+impl Default for Placement {
+    fn default() -> Self {
+        Placement {
+            last_move: None,
+            every: MOVE_EVERY,
+        }
+    }
+}
+
 impl Placement {
     /// The calling thread runs on `cpu` together with its peer: moves it
-    /// elsewhere unless it moved less than [`MOVE_EVERY`] ago. Returns the
-    /// CPU it runs on afterwards, or `None` when it did not move.
+    /// elsewhere unless its last move was too recent (see the type).
+    /// Returns the CPU it runs on afterwards, or `None` when it did not move.
     pub(crate) fn step_aside(&mut self, cpu: u32) -> Option<u32> {
-        let now = Instant::now();
-        if self
-            .last_move
-            .is_some_and(|t| now.duration_since(t) < MOVE_EVERY)
-        {
-            return None;
+        self.step_aside_at(cpu, Instant::now())
+    }
+
+    fn step_aside_at(&mut self, cpu: u32, now: Instant) -> Option<u32> {
+        if let Some(last) = self.last_move {
+            let since = now.duration_since(last);
+            if since < self.every {
+                return None;
+            }
+            self.every = if since < self.every * 2 {
+                (self.every * 2).min(MOVE_EVERY_MAX)
+            } else {
+                MOVE_EVERY
+            };
         }
         self.last_move = Some(now);
         super::mem::move_off_cpu(cpu).filter(|&c| c != cpu)
+    }
+
+    /// The current wait between two moves.
+    #[cfg(test)]
+    fn every(&self) -> Duration {
+        self.every
     }
 }
 
@@ -167,17 +199,35 @@ mod tests {
     }
 
     #[test]
-    fn stepping_aside_moves_at_most_once_per_period() {
+    fn stepping_aside_moves_at_most_once_per_period_and_backs_off_when_it_does_not_help() {
         std::thread::spawn(|| {
+            let ms = Duration::from_millis;
             let mut p = Placement::default();
             let two_cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2;
             let here = crate::shm::mem::current_cpu();
-            let first = p.step_aside(here);
+            let t0 = Instant::now();
+            let first = p.step_aside_at(here, t0);
             if two_cpus {
                 assert!(first.is_some_and(|c| c != here), "moved off {here}");
             }
-            let now = crate::shm::mem::current_cpu();
-            assert_eq!(p.step_aside(now), None, "too soon to move again");
+            let cpu = crate::shm::mem::current_cpu;
+            assert_eq!(p.step_aside_at(cpu(), t0 + ms(3)), None, "too soon");
+            assert_eq!(p.every(), MOVE_EVERY);
+            // Sharing a CPU again right after each move: the wait doubles.
+            p.step_aside_at(cpu(), t0 + ms(6));
+            assert_eq!(p.every(), ms(10));
+            p.step_aside_at(cpu(), t0 + ms(17));
+            assert_eq!(p.every(), ms(20));
+            assert_eq!(p.step_aside_at(cpu(), t0 + ms(30)), None, "too soon");
+            let mut t = t0 + ms(17);
+            for _ in 0..10 {
+                t += p.every();
+                p.step_aside_at(cpu(), t);
+            }
+            assert_eq!(p.every(), MOVE_EVERY_MAX, "capped");
+            // A move that held for a while: back to the shortest wait.
+            p.step_aside_at(cpu(), t0 + MOVE_EVERY_MAX * 100);
+            assert_eq!(p.every(), MOVE_EVERY);
         })
         .join()
         .unwrap();
