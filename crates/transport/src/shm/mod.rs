@@ -5,7 +5,9 @@
 //! same-host peer, Raid §5.1).
 //!
 //! - `mem`: the only module with `unsafe` (memfd, mmap, futex, descriptor
-//!   passing, process liveness).
+//!   passing, process liveness, moving a thread off a CPU).
+//! - `wait`: how a waiting thread spins (the adaptive budget) and where it
+//!   spins (one end of a pair spinning on one CPU moves to another).
 //! - `ring`: the segment layout and the byte ring, safe code over atomics,
 //!   hostile-peer proof (every index masked, every value checked).
 //! - `channel`: one link end: sending, the reader thread (spin, yield, futex

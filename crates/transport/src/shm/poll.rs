@@ -94,7 +94,10 @@ impl Wake for Signal {
 /// over again within that time once no `block_on` runs. A `block_on` that
 /// sees nothing move for the idle-spin limit stops spinning and sleeps until
 /// its future is woken, handing the rings back to the reader threads
-/// meanwhile.
+/// meanwhile. A `block_on` that finds a peer it should make room for (see
+/// the channel's placement rule) spinning on its own CPU moves its thread
+/// to another CPU the thread is allowed on; the allowed set is left as it
+/// was.
 ///
 /// Use it inside a tokio runtime context but not on a runtime worker thread:
 /// e.g. in `Runtime::block_on`'s thread, in `spawn_blocking`, or after
