@@ -565,13 +565,16 @@ impl Channel {
         }
     }
 
-    /// True when the peer's reader last ran on `cpu`: spinning there only
-    /// keeps it from running.
+    /// True when the peer's reader last ran on `cpu` and is not asleep on
+    /// its doorbell: spinning there only keeps it from running. (A parked
+    /// peer's CPU is stale and it needs no CPU until woken.)
     pub(crate) fn peer_on_cpu(&self, cpu: u32) -> bool {
+        let words = self.words();
         self.layout
-            .cpu(self.words(), 1 - self.side)
+            .cpu(words, 1 - self.side)
             .load(Ordering::Relaxed)
             == u64::from(cpu)
+            && self.bell(1 - self.side).load(Ordering::Relaxed) == 0
     }
 
     /// True when this end is the one that moves to another CPU when both
@@ -746,6 +749,22 @@ pub(crate) mod tests {
             flags: 0,
             payload: Payload::bytes(vec![n as u8; n]),
         })
+    }
+
+    #[test]
+    fn a_peer_shares_a_cpu_only_while_it_is_awake_there() {
+        let (a, _pa, b, _pb) = pair(&cfg(8192));
+        a.publish_cpu(5);
+        assert!(b.peer_on_cpu(5), "awake on CPU 5");
+        assert!(!b.peer_on_cpu(6));
+        // Parked on its doorbell: its CPU is free.
+        a.bell(a.side).store(1, Ordering::Relaxed);
+        assert!(!b.peer_on_cpu(5), "asleep");
+        a.bell(a.side).store(0, Ordering::Relaxed);
+        assert!(b.peer_on_cpu(5), "awake again");
+        assert!(a.steps_aside() && !b.steps_aside(), "exactly one end moves");
+        a.close();
+        b.close();
     }
 
     #[test]
