@@ -1,9 +1,11 @@
 //! How a thread waits for shared-memory traffic: spin briefly, then yield,
 //! then park (on a futex, done by the caller), with a spin budget that adapts
-//! to what waiting has been paying off.
+//! to what waiting has been paying off; and where it spins: off the CPU its
+//! peer spins on ([`Placement`]).
 //!
-//! Owns the adaptation rule. Must never sleep itself: parking is the
-//! caller's, because only the caller knows what to park on.
+//! Owns the adaptation rule and the placement rule. Must never sleep
+//! itself: parking is the caller's, because only the caller knows what to
+//! park on.
 
 use std::time::{Duration, Instant};
 
