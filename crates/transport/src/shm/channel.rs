@@ -509,17 +509,7 @@ impl Channel {
             }
             self.publish_cpu(mem::current_cpu());
             let ready = || self.has_work() || poll::pollers_active();
-            let colocated = || {
-                let mut cpu = mem::current_cpu();
-                self.publish_cpu(cpu);
-                if self.peer_on_cpu(cpu) && self.steps_aside() {
-                    if let Some(moved) = placement.step_aside(cpu) {
-                        cpu = moved;
-                        self.publish_cpu(cpu);
-                    }
-                }
-                self.peer_on_cpu(cpu)
-            };
+            let colocated = || poll::colocated(std::slice::from_ref(&self), &mut placement);
             if spin.wait(ready, colocated) {
                 continue;
             }

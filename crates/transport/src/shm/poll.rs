@@ -237,8 +237,8 @@ fn service_all(channels: &mut Vec<Arc<Channel>>, generation: &mut u64) -> bool {
 /// then know where the consumer runs) and tells whether one of the peers
 /// runs on the same CPU (then spinning only keeps it from running). When
 /// this end is the one to step aside from such a peer, first moves to
-/// another CPU.
-fn colocated(channels: &[Arc<Channel>], placement: &mut Placement) -> bool {
+/// another CPU. Used by busy pollers and by a channel's own reader thread.
+pub(crate) fn colocated(channels: &[Arc<Channel>], placement: &mut Placement) -> bool {
     let announce = |cpu: u32| {
         let (mut same, mut mover) = (false, false);
         for c in channels {
