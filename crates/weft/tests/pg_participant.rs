@@ -395,6 +395,10 @@ async fn a_coordinator_crash_before_its_commit_record_rolls_back() {
     both.sort();
     assert_eq!(prepared(&server).await, both, "both branches prepared");
 
+    // Node 3 may ask the restarted coordinator for the outcome, and roll
+    // its branch back, before node 2's participant has scanned the prepared
+    // branches: keep the two apart until the scan is reported.
+    c.c.plan.partition(&[NodeId(2)], &[NodeId(3)]);
     c.restart(2, &server).await;
     let report = c.pg(2).wait_recovered().await.unwrap();
     assert_eq!(
@@ -403,6 +407,7 @@ async fn a_coordinator_crash_before_its_commit_record_rolls_back() {
         "presumed abort at the coordinator"
     );
     assert_eq!(report.others, 1, "node 3's branch is node 3's to resolve");
+    c.c.plan.heal();
     wait_pg(&server, "node 3 learns abort", |_, gids| gids.is_empty()).await;
     assert!(ids(&server).await.is_empty());
 }
