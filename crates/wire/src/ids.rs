@@ -338,10 +338,52 @@ impl ServiceName {
     /// A name from raw bytes (a frame's), or `None` when they are not a
     /// valid name: the decoder's fast path, which leaves the error to the
     /// general one.
+    ///
+    /// A node hears the same few names over and over, so the names this
+    /// thread decoded last are kept ([`RECENT_NAMES`]) and a name seen again
+    /// is shared, not validated and allocated anew.
     pub(crate) fn from_bytes(b: &[u8]) -> Option<ServiceName> {
-        let s = std::str::from_utf8(b).ok()?;
-        valid_name(s).then(|| ServiceName(Arc::from(s)))
+        RECENT.with(|recent| {
+            let mut recent = recent.borrow_mut();
+            if let Some(hit) = recent.find(b) {
+                return Some(hit);
+            }
+            let s = std::str::from_utf8(b).ok()?;
+            let name = valid_name(s).then(|| ServiceName(Arc::from(s)))?;
+            recent.remember(&name);
+            Some(name)
+        })
     }
+}
+
+/// How many decoded service names each thread keeps for reuse.
+pub(crate) const RECENT_NAMES: usize = 8;
+
+/// The service names a thread decoded last, replaced round-robin. Every
+/// entry is a valid name, so bytes equal to one are that name.
+#[derive(Default)]
+struct RecentNames {
+    names: [Option<ServiceName>; RECENT_NAMES],
+    next: usize,
+}
+
+impl RecentNames {
+    fn find(&self, b: &[u8]) -> Option<ServiceName> {
+        self.names
+            .iter()
+            .flatten()
+            .find(|n| n.0.as_bytes() == b)
+            .cloned()
+    }
+
+    fn remember(&mut self, name: &ServiceName) {
+        self.names[self.next] = Some(name.clone());
+        self.next = (self.next + 1) % RECENT_NAMES;
+    }
+}
+
+thread_local! {
+    static RECENT: std::cell::RefCell<RecentNames> = std::cell::RefCell::default();
 }
 
 impl TryFrom<String> for ServiceName {
@@ -516,6 +558,25 @@ impl FromStr for GroupId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decoded_names_are_shared_while_recent_and_never_wrongly_matched() {
+        let a = ServiceName::from_bytes(b"echo").unwrap();
+        let b = ServiceName::from_bytes(b"echo").unwrap();
+        assert!(Arc::ptr_eq(&a.0, &b.0), "a name decoded again is shared");
+        assert_eq!(ServiceName::from_bytes(b"ech").unwrap().as_str(), "ech");
+        assert_eq!(ServiceName::from_bytes(b"echo2").unwrap().as_str(), "echo2");
+        assert!(ServiceName::from_bytes(b"ec ho").is_none(), "still validated");
+        assert!(ServiceName::from_bytes(b"").is_none());
+        // More names than the cache holds: the oldest is replaced, and
+        // decoding it again gives an equal (new) name.
+        for i in 0..RECENT_NAMES {
+            ServiceName::from_bytes(format!("svc{i}").as_bytes()).unwrap();
+        }
+        let c = ServiceName::from_bytes(b"echo").unwrap();
+        assert_eq!(c, a);
+        assert!(!Arc::ptr_eq(&a.0, &c.0), "evicted, so allocated anew");
+    }
 
     #[test]
     fn tid_prints_and_parses() {
