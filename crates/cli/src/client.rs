@@ -115,7 +115,7 @@ impl Client {
             instance: addr.instance,
             node: addr.node,
             budget_us: None,
-            tx,
+            tx: tx.map(Box::new),
             flags: 0,
             payload,
         };

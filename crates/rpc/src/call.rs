@@ -386,7 +386,7 @@ impl Rpc {
             instance: addr.instance,
             node: addr.node,
             budget_us: Some(micros_until(deadline, now)),
-            tx: ctx,
+            tx: ctx.map(Box::new),
             flags: 0,
             payload,
         };
@@ -477,14 +477,14 @@ impl Rpc {
                 instance: req.instance,
                 node: req.node,
             };
-            self.call_payload(req.tx.as_ref(), &addr, req.payload, deadline)
+            self.call_payload(req.tx.as_deref(), &addr, req.payload, deadline)
                 .await
         } else {
             let service = service.expect("checked above");
             let ctx = CallContext {
                 rpc: self.clone(),
                 caller: from,
-                tx: req.tx.clone(),
+                tx: req.tx.map(|ctx| *ctx),
                 deadline,
             };
             let fut = service.handler.call(ctx, req.payload);

@@ -125,7 +125,9 @@ pub struct Request {
     /// Microseconds left before the caller gives up, when the frame was sent.
     pub budget_us: Option<u64>,
     /// The caller's transaction, if the call is made on behalf of one.
-    pub tx: Option<TxContext>,
+    /// Boxed: most calls carry none, and a request small enough to be moved
+    /// without a `memcpy` call is what every layer of a call's path handles.
+    pub tx: Option<Box<TxContext>>,
     /// Reserved for future use; must be 0.
     pub flags: u32,
     /// The request body.

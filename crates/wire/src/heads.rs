@@ -32,7 +32,7 @@ pub(crate) struct RequestHead {
     pub(crate) instance: u32,
     pub(crate) node: NodeId,
     pub(crate) budget_us: Option<u64>,
-    pub(crate) tx: Option<TxContext>,
+    pub(crate) tx: Option<Box<TxContext>>,
     pub(crate) flags: u32,
 }
 
@@ -115,7 +115,7 @@ pub(crate) fn read_request_head(body: &[u8]) -> Option<(RequestHead, usize)> {
     };
     let tx = match r.byte()? {
         0 => None,
-        1 => Some(r.postcard::<TxContext>()?),
+        1 => Some(Box::new(r.postcard::<TxContext>()?)),
         _ => return None,
     };
     let flags = r.varint_u32()?;
@@ -312,7 +312,7 @@ mod tests {
         instance: u32,
         node: NodeId,
         budget_us: Option<u64>,
-        tx: &'a Option<TxContext>,
+        tx: &'a Option<Box<TxContext>>,
         flags: u32,
     }
 
@@ -369,7 +369,7 @@ mod tests {
                     instance,
                     node: NodeId(node),
                     budget_us,
-                    tx,
+                    tx: tx.map(Box::new),
                     flags,
                     payload: Payload::empty(),
                 },

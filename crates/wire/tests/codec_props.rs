@@ -101,7 +101,7 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
                         instance,
                         node: NodeId(node),
                         budget_us,
-                        tx,
+                        tx: tx.map(Box::new),
                         flags: 0,
                         payload,
                     })
@@ -438,7 +438,7 @@ fn a_request_over_the_baggage_limit_is_answerable() {
             instance: 0,
             node: NodeId(1),
             budget_us: None,
-            tx: Some(tx),
+            tx: Some(Box::new(tx)),
             flags: 0,
             payload: Payload::empty(),
         }))
@@ -524,7 +524,7 @@ fn request_with_context_has_a_stable_encoding() {
         instance: 0,
         node: NodeId(2),
         budget_us: Some(1000),
-        tx: Some(TxContext::new(Tid::new(NodeId(1), Incarnation(1), 5))),
+        tx: Some(Box::new(TxContext::new(Tid::new(NodeId(1), Incarnation(1), 5)))),
         flags: 0,
         payload: Payload::bytes(&b"hi"[..]),
     });
