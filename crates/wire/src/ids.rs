@@ -566,7 +566,10 @@ mod tests {
         assert!(Arc::ptr_eq(&a.0, &b.0), "a name decoded again is shared");
         assert_eq!(ServiceName::from_bytes(b"ech").unwrap().as_str(), "ech");
         assert_eq!(ServiceName::from_bytes(b"echo2").unwrap().as_str(), "echo2");
-        assert!(ServiceName::from_bytes(b"ec ho").is_none(), "still validated");
+        assert!(
+            ServiceName::from_bytes(b"ec ho").is_none(),
+            "still validated"
+        );
         assert!(ServiceName::from_bytes(b"").is_none());
         // More names than the cache holds: the oldest is replaced, and
         // decoding it again gives an equal (new) name.

@@ -524,7 +524,11 @@ fn request_with_context_has_a_stable_encoding() {
         instance: 0,
         node: NodeId(2),
         budget_us: Some(1000),
-        tx: Some(Box::new(TxContext::new(Tid::new(NodeId(1), Incarnation(1), 5)))),
+        tx: Some(Box::new(TxContext::new(Tid::new(
+            NodeId(1),
+            Incarnation(1),
+            5,
+        )))),
         flags: 0,
         payload: Payload::bytes(&b"hi"[..]),
     });
