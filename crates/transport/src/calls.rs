@@ -20,7 +20,6 @@
 //! costs at most one look at the table when it passes.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
@@ -29,42 +28,14 @@ use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify};
 use weft_wire::{Failure, NodeId, Response, Status};
 
+use crate::idhash::IdHashing;
+
 const SHARDS: usize = 16;
 
 /// `next_sweep` when no deadline is known.
 const NEVER: u64 = u64::MAX;
 
-/// Hashes call ids: they are sequential numbers chosen by this node (a peer
-/// only echoes them), so a mixing function is enough; SipHash's resistance
-/// to chosen keys buys nothing here.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        // The finalizer of MurmurHash3: every input bit reaches every output
-        // bit, so ids of one shard (equal modulo SHARDS) spread over all
-        // buckets.
-        let mut x = self.0;
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        x ^ (x >> 33)
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-type Shard = HashMap<u64, Pending, BuildHasherDefault<IdHasher>>;
+type Shard = HashMap<u64, Pending, IdHashing>;
 
 struct Pending {
     /// The node the request went to (a client's gateway).
@@ -156,15 +127,16 @@ impl Calls {
     /// is pending (late or duplicate response).
     pub(crate) fn complete(&self, id: u64, from: NodeId, response: Response) -> bool {
         let mut shard = self.shard(id).lock();
-        match shard.get(&id) {
-            Some(p) if p.node == from => {
-                let p = shard.remove(&id).expect("entry checked above");
-                drop(shard);
-                let _ = p.tx.send(Ok(response));
-                true
-            }
-            _ => false,
+        let Some(p) = shard.remove(&id) else {
+            return false;
+        };
+        if p.node != from {
+            shard.insert(id, p);
+            return false;
         }
+        drop(shard);
+        let _ = p.tx.send(Ok(response));
+        true
     }
 
     /// Fails one call.
@@ -417,7 +389,7 @@ mod tests {
     #[test]
     fn ids_of_one_shard_spread_over_the_buckets() {
         use std::hash::BuildHasher;
-        let b = BuildHasherDefault::<IdHasher>::default();
+        let b = IdHashing::default();
         let mut low: Vec<u64> = (0..64u64)
             .map(|i| b.hash_one(i * SHARDS as u64 + 3) & 63)
             .collect();

@@ -28,6 +28,7 @@ use crate::channel::{ChannelKind, IoError};
 use crate::config::TransportConfig;
 use crate::detector::{Detector, Verdict};
 use crate::handshake::Side;
+use crate::idhash::IdHashing;
 use crate::inproc::{self, InprocHub, Lookup};
 use crate::link::{Link, PeerRef};
 use crate::naming::{admission, NamingMsg, NodeInfo};
@@ -265,7 +266,7 @@ pub(crate) struct Inner {
     pub(crate) stats: Arc<Stats>,
     hub: Option<Arc<InprocHub>>,
     me: RwLock<NodeInfo>,
-    peers: Mutex<HashMap<NodeId, PeerEntry>>,
+    peers: Mutex<HashMap<NodeId, PeerEntry, IdHashing>>,
     links: Mutex<HashMap<u64, Arc<Link>>>,
     calls: Arc<Calls>,
     handlers: RwLock<Handlers>,
@@ -323,7 +324,7 @@ impl Endpoint {
             detector: Mutex::new(Detector::new(cfg.heartbeat_interval, cfg.dead_after)),
             hub,
             me: RwLock::new(me.clone()),
-            peers: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::default()),
             links: Mutex::new(HashMap::new()),
             calls: Calls::start(),
             handlers: RwLock::new(Handlers::default()),

@@ -15,6 +15,7 @@ mod calls;
 mod detector;
 mod endpoint;
 mod handshake;
+mod idhash;
 mod inproc;
 mod link;
 mod tcp;
