@@ -200,7 +200,7 @@ impl<'a> HeadWriter<'a> {
 
     /// postcard's varint: seven bits a byte, least significant first, the
     /// high bit set on every byte but the last.
-    #[inline]
+    #[inline(always)]
     fn varint(&mut self, mut v: u64) {
         self.room(10);
         while v >= 0x80 {
@@ -245,7 +245,7 @@ impl<'a> HeadReader<'a> {
     /// A varint of at most `max_bytes` bytes whose last byte is at most
     /// `last_max` when it uses all of them (postcard's rule against values
     /// that overflow the type).
-    #[inline]
+    #[inline(always)]
     fn varint(&mut self, max_bytes: usize, last_max: u8) -> Option<u64> {
         let mut out = 0u64;
         for i in 0..max_bytes {
