@@ -6,26 +6,33 @@
 //! gone, nor let a call outlive its deadline by more than the timer's
 //! granularity.
 //!
+//! ## Outcomes
+//!
+//! An entry holds the caller's waker until the call ends, then the outcome
+//! until the caller takes it ([`Calls::poll_outcome`]); there is no channel
+//! per call. An ended entry is left to its caller, so a response that comes
+//! after it (late, or a duplicate) finds it ended and is dropped.
+//!
 //! ## Deadlines
 //!
 //! A call's deadline lives in its entry; no timer is armed per call (arming
 //! and disarming a runtime timer was a large share of a same-host call's
 //! cost). One sweeper task per table sleeps until the earliest deadline it
-//! knows of, fails every call past its deadline with TimedOut (a response
-//! arriving later finds no entry and is dropped) and sleeps again until the
-//! earliest deadline left. A call whose deadline is earlier than the
-//! sweeper's next look wakes it; a later one (the common case: calls with the
-//! default timeout, made one after the other) costs nothing but the
-//! comparison. A deadline that no longer matters (its call was answered)
-//! costs at most one look at the table when it passes.
+//! knows of, fails every call past its deadline with TimedOut and sleeps
+//! again until the earliest deadline left. A call whose deadline is earlier
+//! than the sweeper's next look wakes it; a later one (the common case:
+//! calls with the default timeout, made one after the other) costs nothing
+//! but the comparison. A deadline that no longer matters (its call was
+//! answered) costs at most one look at the table when it passes.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::Notify;
 use weft_wire::{Failure, NodeId, Response, Status};
 
 use crate::idhash::IdHashing;
@@ -37,6 +44,14 @@ const NEVER: u64 = u64::MAX;
 
 type Shard = HashMap<u64, Pending, IdHashing>;
 
+/// What a call's caller waits for.
+enum Outcome {
+    /// Not yet: whom to wake when it comes.
+    Waiting(Waker),
+    /// Answered or failed, not yet taken by the caller.
+    Ended(Result<Response, Failure>),
+}
+
 struct Pending {
     /// The node the request went to (a client's gateway).
     node: NodeId,
@@ -44,7 +59,25 @@ struct Pending {
     to: NodeId,
     link: Option<u64>,
     deadline: Option<Instant>,
-    tx: oneshot::Sender<Result<Response, Failure>>,
+    outcome: Outcome,
+}
+
+impl Pending {
+    fn waiting(&self) -> bool {
+        matches!(self.outcome, Outcome::Waiting(_))
+    }
+
+    /// Ends the call with `result`; returns the waker to wake once the
+    /// shard is unlocked (`None` when it had already ended).
+    fn end(&mut self, result: Result<Response, Failure>) -> Option<Waker> {
+        match std::mem::replace(&mut self.outcome, Outcome::Ended(result)) {
+            Outcome::Waiting(waker) => Some(waker),
+            earlier @ Outcome::Ended(_) => {
+                self.outcome = earlier;
+                None
+            }
+        }
+    }
 }
 
 /// The pending-call table, sharded by call id.
@@ -86,15 +119,16 @@ impl Calls {
 
     /// Registers a call sent to `node` for `to` (the same node, except for
     /// a client, whose calls go through its gateway), failing with TimedOut
-    /// at `deadline` unless it ends before; the receiver gets its outcome.
+    /// at `deadline` unless it ends before; `waker` is woken when it ends,
+    /// and [`Calls::poll_outcome`] then gives its outcome.
     pub(crate) fn insert(
         &self,
         id: u64,
         node: NodeId,
         to: NodeId,
         deadline: Option<Instant>,
-    ) -> oneshot::Receiver<Result<Response, Failure>> {
-        let (tx, rx) = oneshot::channel();
+        waker: Waker,
+    ) {
         self.shard(id).lock().insert(
             id,
             Pending {
@@ -102,7 +136,7 @@ impl Calls {
                 to,
                 link: None,
                 deadline,
-                tx,
+                outcome: Outcome::Waiting(waker),
             },
         );
         if let Some(d) = deadline {
@@ -112,7 +146,36 @@ impl Calls {
                 self.wake.notify_one();
             }
         }
-        rx
+    }
+
+    /// The outcome of call `id` once it ended (the entry is then gone), or
+    /// `Pending` with the waker of `cx` remembered. A call the table does
+    /// not know (never inserted, or its outcome already taken) ends with
+    /// Internal.
+    pub(crate) fn poll_outcome(
+        &self,
+        id: u64,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Response, Failure>> {
+        let mut shard = self.shard(id).lock();
+        let Some(p) = shard.get_mut(&id) else {
+            return Poll::Ready(Err(Failure::new(
+                Status::Internal,
+                "call abandoned by the transport",
+            )));
+        };
+        match &mut p.outcome {
+            Outcome::Waiting(waker) => {
+                if !waker.will_wake(cx.waker()) {
+                    waker.clone_from(cx.waker());
+                }
+                Poll::Pending
+            }
+            Outcome::Ended(_) => match shard.remove(&id).map(|p| p.outcome) {
+                Some(Outcome::Ended(result)) => Poll::Ready(result),
+                _ => unreachable!("the entry was seen ended under the lock"),
+            },
+        }
     }
 
     /// Records the link a call was sent on (it fails if that link closes).
@@ -124,26 +187,24 @@ impl Calls {
 
     /// Completes a call with the response from `from`. Responses from a node
     /// other than the one called are ignored. Returns false when no such call
-    /// is pending (late or duplicate response).
+    /// is waiting (late or duplicate response).
     pub(crate) fn complete(&self, id: u64, from: NodeId, response: Response) -> bool {
-        let mut shard = self.shard(id).lock();
-        let Some(p) = shard.remove(&id) else {
-            return false;
+        let waker = match self.shard(id).lock().get_mut(&id) {
+            Some(p) if p.node == from => p.end(Ok(response)),
+            _ => None,
         };
-        if p.node != from {
-            shard.insert(id, p);
-            return false;
-        }
-        drop(shard);
-        let _ = p.tx.send(Ok(response));
-        true
+        waker.map(Waker::wake).is_some()
     }
 
     /// Fails one call.
     pub(crate) fn fail(&self, id: u64, failure: Failure) {
-        let p = self.shard(id).lock().remove(&id);
-        if let Some(p) = p {
-            let _ = p.tx.send(Err(failure));
+        let waker = self
+            .shard(id)
+            .lock()
+            .get_mut(&id)
+            .and_then(|p| p.end(Err(failure)));
+        if let Some(w) = waker {
+            w.wake();
         }
     }
 
@@ -152,50 +213,50 @@ impl Calls {
         self.shard(id).lock().remove(&id);
     }
 
-    /// Removes every call matching `pred` (seen once per call, shard by
-    /// shard) and returns them, for the caller to fail.
-    fn take_where(&self, mut pred: impl FnMut(&Pending) -> bool) -> Vec<Pending> {
-        let mut taken = Vec::new();
+    /// Ends every waiting call matching `pred` (seen once per call, shard by
+    /// shard) with the failure `failure_of` makes for it, and wakes their
+    /// callers. Returns how many.
+    fn fail_where(
+        &self,
+        mut pred: impl FnMut(&Pending) -> bool,
+        failure_of: impl Fn(&Pending) -> Failure,
+    ) -> usize {
+        let mut wakers = Vec::new();
         for shard in &self.shards {
             let mut s = shard.lock();
-            let ids: Vec<u64> = s
-                .iter()
-                .filter(|(_, p)| pred(p))
-                .map(|(id, _)| *id)
-                .collect();
-            taken.extend(ids.into_iter().filter_map(|id| s.remove(&id)));
+            for p in s.values_mut() {
+                if p.waiting() && pred(p) {
+                    let f = failure_of(p);
+                    wakers.extend(p.end(Err(f)));
+                }
+            }
         }
-        taken
-    }
-
-    /// Fails every call matching `pred` with `failure`.
-    fn fail_where(&self, failure: &Failure, pred: impl Fn(&Pending) -> bool) -> usize {
-        let victims = self.take_where(pred);
-        let n = victims.len();
-        for p in victims {
-            let _ = p.tx.send(Err(failure.clone()));
-        }
+        let n = wakers.len();
+        wakers.into_iter().for_each(Waker::wake);
         n
     }
 
     /// Fails every call to `node`. Returns how many.
     pub(crate) fn fail_node(&self, node: NodeId, failure: &Failure) -> usize {
-        self.fail_where(failure, |p| p.node == node)
+        self.fail_where(|p| p.node == node, |_| failure.clone())
     }
 
     /// Fails every call sent on `link`. Returns how many.
     pub(crate) fn fail_link(&self, link: u64, failure: &Failure) -> usize {
-        self.fail_where(failure, |p| p.link == Some(link))
+        self.fail_where(|p| p.link == Some(link), |_| failure.clone())
     }
 
     /// Fails every pending call (shutdown).
     pub(crate) fn fail_all(&self, failure: &Failure) -> usize {
-        self.fail_where(failure, |_| true)
+        self.fail_where(|_| true, |_| failure.clone())
     }
 
-    /// Number of pending calls.
+    /// Number of calls waiting for their outcome.
     pub(crate) fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.shards
+            .iter()
+            .map(|s| s.lock().values().filter(|p| p.waiting()).count())
+            .sum()
     }
 
     /// Fails every call whose deadline is at or before `now` with TimedOut
@@ -207,25 +268,25 @@ impl Calls {
         // the sweeper), so no deadline is ever left unwatched.
         self.next_sweep.store(NEVER, Ordering::SeqCst);
         let mut earliest = NEVER;
-        let victims = self.take_where(|p| match p.deadline {
-            Some(d) if d <= now => true,
-            Some(d) => {
-                earliest = earliest.min(self.nanos(d));
-                false
-            }
-            None => false,
-        });
+        let n = self.fail_where(
+            |p| match p.deadline {
+                Some(d) if d <= now => true,
+                Some(d) => {
+                    earliest = earliest.min(self.nanos(d));
+                    false
+                }
+                None => false,
+            },
+            |p| {
+                Failure::new(
+                    Status::TimedOut,
+                    format!("no answer from node {} before the deadline", p.to),
+                )
+            },
+        );
         self.next_sweep.fetch_min(earliest, Ordering::AcqRel);
-        let n = victims.len();
-        for p in victims {
-            let _ = p.tx.send(Err(Failure::new(
-                Status::TimedOut,
-                format!("no answer from node {} before the deadline", p.to),
-            )));
-        }
         n
     }
-
     /// When the sweeper should look next, if ever.
     fn next_sweep_at(&self) -> Option<Instant> {
         match self.next_sweep.load(Ordering::Acquire) {
@@ -270,13 +331,13 @@ async fn sweeper(calls: Weak<Calls>, wake: Arc<Notify>) {
 }
 
 /// Removes a pending call when the waiting future is dropped early.
-pub(crate) struct CallGuard {
-    pub(crate) calls: Arc<Calls>,
+pub(crate) struct CallGuard<'a> {
+    pub(crate) calls: &'a Calls,
     pub(crate) id: u64,
     pub(crate) armed: bool,
 }
 
-impl Drop for CallGuard {
+impl Drop for CallGuard<'_> {
     fn drop(&mut self) {
         if self.armed {
             self.calls.forget(self.id);
@@ -308,59 +369,108 @@ mod tests {
         Some(Instant::now() + Duration::from_millis(ms))
     }
 
+    /// Registers call `id` to node `node` and waits for its outcome, as
+    /// `Endpoint::call` does.
+    async fn call(
+        calls: &Calls,
+        id: u64,
+        node: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Response, Failure> {
+        let mut inserted = false;
+        std::future::poll_fn(|cx| {
+            if !inserted {
+                inserted = true;
+                calls.insert(id, NodeId(node), NodeId(node), deadline, cx.waker().clone());
+            }
+            calls.poll_outcome(id, cx)
+        })
+        .await
+    }
+
+    fn insert_unwatched(calls: &Calls, id: u64, node: u32, deadline: Option<Instant>) {
+        calls.insert(
+            id,
+            NodeId(node),
+            NodeId(node),
+            deadline,
+            futures::task::noop_waker(),
+        );
+    }
+
     #[tokio::test]
     async fn a_call_past_its_deadline_ends_timed_out_and_leaves_nothing() {
         let calls = Calls::start();
-        let rx = calls.insert(1, NodeId(2), NodeId(2), soon(20));
-        let outcome = tokio::time::timeout(HANG, rx)
+        let outcome = tokio::time::timeout(HANG, call(&calls, 1, 2, soon(20)))
             .await
-            .expect("the sweeper ends the call")
-            .expect("the call ends with a status, not dropped");
+            .expect("the sweeper ends the call");
         let f = outcome.unwrap_err();
         assert_eq!(f.status, Status::TimedOut, "{f}");
         assert!(f.detail.contains("node 2"), "{f}");
         assert_eq!(calls.len(), 0);
+        assert!(
+            calls.shards.iter().all(|s| s.lock().is_empty()),
+            "the outcome was taken"
+        );
     }
 
     #[tokio::test]
     async fn a_response_after_the_deadline_is_dropped() {
         let calls = Calls::start();
-        let rx = calls.insert(7, NodeId(3), NodeId(3), soon(10));
-        let outcome = tokio::time::timeout(HANG, rx).await.unwrap().unwrap();
-        assert_eq!(outcome.unwrap_err().status, Status::TimedOut);
+        insert_unwatched(&calls, 7, 3, soon(10));
+        tokio::time::timeout(HANG, async {
+            while calls.len() > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the sweeper ends the call");
         assert!(
             !calls.complete(7, NodeId(3), ok(7)),
-            "a late response finds no call"
+            "a late response finds the call ended"
         );
+        let outcome = call_outcome(&calls, 7).await;
+        assert_eq!(
+            outcome.unwrap_err().status,
+            Status::TimedOut,
+            "not the late answer"
+        );
+    }
+
+    /// The outcome of an inserted call.
+    async fn call_outcome(calls: &Calls, id: u64) -> Result<Response, Failure> {
+        std::future::poll_fn(|cx| calls.poll_outcome(id, cx)).await
     }
 
     #[tokio::test]
     async fn an_earlier_deadline_wakes_the_sweeper() {
         let calls = Calls::start();
         // The sweeper first sleeps until this call's deadline, an hour away.
-        let mut late = calls.insert(1, NodeId(2), NodeId(2), soon(3_600_000));
+        insert_unwatched(&calls, 1, 2, soon(3_600_000));
         tokio::task::yield_now().await;
-        let early = calls.insert(2, NodeId(2), NodeId(2), soon(10));
-        let outcome = tokio::time::timeout(HANG, early)
+        let outcome = tokio::time::timeout(HANG, call(&calls, 2, 2, soon(10)))
             .await
-            .expect("the earlier deadline is enforced")
-            .unwrap();
+            .expect("the earlier deadline is enforced");
         assert_eq!(outcome.unwrap_err().status, Status::TimedOut);
-        assert!(late.try_recv().is_err(), "the later call still waits");
-        assert_eq!(calls.len(), 1);
+        assert_eq!(calls.len(), 1, "the later call still waits");
         assert!(calls.complete(1, NodeId(2), ok(1)));
-        assert_eq!(late.await.unwrap().unwrap().status, Status::Ok);
+        assert_eq!(call_outcome(&calls, 1).await.unwrap().status, Status::Ok);
     }
 
     #[tokio::test]
     async fn answered_calls_and_calls_without_deadline_are_left_alone() {
         let calls = Calls::start();
-        let rx = calls.insert(1, NodeId(2), NodeId(2), soon(5));
+        insert_unwatched(&calls, 1, 2, soon(5));
         assert!(calls.complete(1, NodeId(2), ok(1)));
-        assert_eq!(rx.await.unwrap().unwrap().status, Status::Ok);
-        let _forever = calls.insert(2, NodeId(2), NodeId(2), None);
-        let timed = calls.insert(3, NodeId(2), NodeId(2), soon(5));
-        let outcome = tokio::time::timeout(HANG, timed).await.unwrap().unwrap();
+        assert!(
+            !calls.complete(1, NodeId(2), ok(1)),
+            "a duplicate is dropped"
+        );
+        assert_eq!(call_outcome(&calls, 1).await.unwrap().status, Status::Ok);
+        insert_unwatched(&calls, 2, 2, None);
+        let outcome = tokio::time::timeout(HANG, call(&calls, 3, 2, soon(5)))
+            .await
+            .unwrap();
         assert_eq!(outcome.unwrap_err().status, Status::TimedOut);
         assert_eq!(calls.len(), 1, "the call without a deadline waits on");
         // A sweep with nothing due fails nothing.
@@ -369,9 +479,46 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_answer_from_another_node_is_ignored_and_failures_wake_the_caller() {
+        let calls = Calls::start();
+        let waiting = {
+            let calls = Arc::clone(&calls);
+            tokio::spawn(async move { call(&calls, 5, 2, None).await })
+        };
+        while calls.len() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!calls.complete(5, NodeId(9), ok(5)), "not the node called");
+        calls.set_link(5, 77);
+        assert_eq!(
+            calls.fail_link(76, &Failure::new(Status::ProcDead, "other link")),
+            0
+        );
+        assert_eq!(
+            calls.fail_link(77, &Failure::new(Status::ProcDead, "its link")),
+            1
+        );
+        let f = tokio::time::timeout(HANG, waiting)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(
+            (f.status, f.detail.as_str()),
+            (Status::ProcDead, "its link")
+        );
+        assert!(
+            !calls.complete(5, NodeId(2), ok(5)),
+            "its outcome was taken"
+        );
+        let f = call_outcome(&calls, 5).await.unwrap_err();
+        assert_eq!(f.status, Status::Internal, "an unknown call: {f}");
+    }
+
+    #[tokio::test]
     async fn the_sweeper_ends_with_its_table() {
         let calls = Calls::start();
-        let _rx = calls.insert(1, NodeId(2), NodeId(2), soon(3_600_000));
+        insert_unwatched(&calls, 1, 2, soon(3_600_000));
         let wake = Arc::clone(&calls.wake);
         let weak = Arc::downgrade(&calls);
         drop(calls);

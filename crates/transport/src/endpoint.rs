@@ -12,6 +12,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
@@ -513,27 +514,30 @@ impl Endpoint {
             request.budget_us = Some(left.as_micros().min(u64::MAX as u128) as u64);
         }
         // The table fails the call with TimedOut at the deadline: no timer
-        // per call (see the calls module).
-        let rx = inner.calls.insert(id, target, to, deadline);
+        // per call (see the calls module). It holds this task's waker from
+        // before the request leaves, so the first poll sends and the next
+        // one, when woken, takes the outcome.
+        let calls = &*inner.calls;
         let mut guard = CallGuard {
-            calls: inner.calls.clone(),
+            calls,
             id,
-            armed: true,
+            armed: false,
         };
-        if let Err(f) = inner.send_frame(target, Frame::Request(request), false) {
-            inner.calls.forget(id);
-            guard.armed = false;
-            return Err(f);
-        }
-        let outcome = rx.await;
-        guard.armed = false;
-        match outcome {
-            Ok(result) => result,
-            Err(_) => Err(Failure::new(
-                Status::Internal,
-                "call abandoned by the transport",
-            )),
-        }
+        let mut request = Some(request);
+        std::future::poll_fn(|cx| {
+            let Some(request) = request.take() else {
+                let outcome = calls.poll_outcome(id, cx);
+                guard.armed = outcome.is_pending();
+                return outcome;
+            };
+            calls.insert(id, target, to, deadline, cx.waker().clone());
+            guard.armed = true;
+            if let Err(f) = inner.send_frame(target, Frame::Request(request), false) {
+                return Poll::Ready(Err(f));
+            }
+            Poll::Pending
+        })
+        .await
     }
 
     /// For a client: the node it is connected to (which relays its calls).
