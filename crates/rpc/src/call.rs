@@ -500,9 +500,11 @@ impl Rpc {
                 None => fut.await,
             }
         };
-        let tx_return = tid.map(|t| TxReturn {
-            baggage: self.inner.tm.baggage(t).unwrap_or_default(),
-            aborted: guard.as_ref().is_some_and(|g| g.aborted()),
+        let tx_return = tid.map(|t| {
+            Box::new(TxReturn {
+                baggage: self.inner.tm.baggage(t).unwrap_or_default(),
+                aborted: guard.as_ref().is_some_and(|g| g.aborted()),
+            })
         });
         drop(guard);
         Response {

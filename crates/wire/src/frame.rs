@@ -144,7 +144,8 @@ pub struct Response {
     /// Explanation when the status is not Ok (empty otherwise).
     pub detail: String,
     /// Transaction information flowing back to the caller.
-    pub tx: Option<TxReturn>,
+    /// Boxed for the reason [`Request::tx`] is.
+    pub tx: Option<Box<TxReturn>>,
     /// The response body (empty unless Ok or AppError).
     pub payload: Payload,
 }

@@ -42,7 +42,7 @@ pub(crate) struct ResponseHead {
     pub(crate) call_id: u64,
     pub(crate) status: Status,
     pub(crate) detail: String,
-    pub(crate) tx: Option<TxReturn>,
+    pub(crate) tx: Option<Box<TxReturn>>,
 }
 
 /// Appends the head of `r` to `out`: postcard's bytes for its
@@ -140,7 +140,7 @@ pub(crate) fn read_response_head(body: &[u8]) -> Option<(ResponseHead, usize)> {
     let detail = std::str::from_utf8(r.bytes_with_len()?).ok()?.to_owned();
     let tx = match r.byte()? {
         0 => None,
-        1 => Some(r.postcard::<TxReturn>()?),
+        1 => Some(Box::new(r.postcard::<TxReturn>()?)),
         _ => return None,
     };
     let head = ResponseHead {
@@ -322,7 +322,7 @@ mod tests {
         call_id: u64,
         status: Status,
         detail: &'a str,
-        tx: &'a Option<TxReturn>,
+        tx: &'a Option<Box<TxReturn>>,
     }
 
     fn arb_tx() -> impl Strategy<Value = TxContext> {
@@ -387,9 +387,11 @@ mod tests {
                 call_id,
                 status: Status::from_code(code),
                 detail,
-                tx: tx.map(|(ctx, aborted)| TxReturn {
-                    baggage: ctx.baggage,
-                    aborted,
+                tx: tx.map(|(ctx, aborted)| {
+                    Box::new(TxReturn {
+                        baggage: ctx.baggage,
+                        aborted,
+                    })
                 }),
                 payload: Payload::empty(),
             })

@@ -119,7 +119,7 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
                     call_id,
                     status,
                     detail,
-                    tx: tx.map(|(baggage, aborted)| TxReturn { baggage, aborted }),
+                    tx: tx.map(|(baggage, aborted)| Box::new(TxReturn { baggage, aborted })),
                     payload,
                 })
             }),
