@@ -320,11 +320,14 @@ impl Channel {
             if n == 0 {
                 break;
             }
-            out.buf.advance(n);
+            if n == out.buf.len() {
+                // All of it: the buffer starts over where it began, with no
+                // offset to track or space to reclaim later.
+                out.buf.clear();
+            } else {
+                out.buf.advance(n);
+            }
             wrote = true;
-        }
-        if out.buf.is_empty() {
-            out.buf.clear();
         }
         Ok(wrote)
     }

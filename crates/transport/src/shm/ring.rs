@@ -267,6 +267,61 @@ impl Ring<'_> {
         self.capacity() / 4
     }
 
+    /// The run of `n` words from byte position `pos` on, when it does not
+    /// wrap around the end of the ring.
+    fn run(&self, pos: u64, n: usize) -> Option<&[AtomicU64]> {
+        let start = ((pos / WORD) & self.mask()) as usize;
+        self.data.get(start..start + n)
+    }
+
+    /// Stores `bytes` from byte position `pos` on, eight to a word, the
+    /// last word padded with zeros.
+    fn store(&self, pos: u64, bytes: &[u8]) {
+        let (whole, rest) = bytes.as_chunks::<8>();
+        let tail = (!rest.is_empty()).then(|| {
+            rest.iter()
+                .enumerate()
+                .fold(0u64, |w, (i, b)| w | u64::from(*b) << (8 * i))
+        });
+        let n = whole.len() + usize::from(tail.is_some());
+        match self.run(pos, n) {
+            Some(run) => {
+                for (word, chunk) in run.iter().zip(whole) {
+                    word.store(u64::from_le_bytes(*chunk), Ordering::Relaxed);
+                }
+                if let (Some(w), Some(last)) = (tail, run.last()) {
+                    last.store(w, Ordering::Relaxed);
+                }
+            }
+            None => {
+                let words = whole.iter().map(|c| u64::from_le_bytes(*c)).chain(tail);
+                for (i, w) in words.enumerate() {
+                    self.word(pos + i as u64 * WORD).store(w, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Fills `out` (whole words) with the words from byte position `pos` on.
+    fn load(&self, pos: u64, out: &mut [u8]) {
+        let (words, _) = out.as_chunks_mut::<8>();
+        match self.run(pos, words.len()) {
+            Some(run) => {
+                for (dst, word) in words.iter_mut().zip(run) {
+                    *dst = word.load(Ordering::Relaxed).to_le_bytes();
+                }
+            }
+            None => {
+                for (i, dst) in words.iter_mut().enumerate() {
+                    *dst = self
+                        .word(pos + i as u64 * WORD)
+                        .load(Ordering::Relaxed)
+                        .to_le_bytes();
+                }
+            }
+        }
+    }
+
     /// True when a record (or garbage) waits at consumer position `tail`.
     pub(crate) fn has_data_at(&self, tail: u64) -> bool {
         self.word(tail).load(Ordering::Relaxed) != 0
@@ -326,22 +381,7 @@ impl Producer {
         }
         let len = want.min(((free - 2) * WORD) as usize);
         let data = self.head + WORD;
-        let whole = bytes[..len].chunks_exact(8);
-        let rest = whole.remainder();
-        let mut pos = data;
-        for chunk in whole {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(chunk);
-            ring.word(pos)
-                .store(u64::from_le_bytes(w), Ordering::Relaxed);
-            pos += WORD;
-        }
-        if !rest.is_empty() {
-            let mut w = [0u8; 8];
-            w[..rest.len()].copy_from_slice(rest);
-            ring.word(pos)
-                .store(u64::from_le_bytes(w), Ordering::Relaxed);
-        }
+        ring.store(data, &bytes[..len]);
         let end = data + words_for(len) * WORD;
         ring.word(end).store(0, Ordering::Relaxed);
         ring.word(self.head)
@@ -406,10 +446,7 @@ impl Consumer {
             let start = out.len();
             out.resize(start + (n * WORD) as usize, 0);
             let first = self.tail + WORD;
-            for (i, dst) in out[start..].chunks_exact_mut(8).enumerate() {
-                let w = ring.word(first + i as u64 * WORD).load(Ordering::Relaxed);
-                dst.copy_from_slice(&w.to_le_bytes());
-            }
+            ring.load(first, &mut out[start..]);
             out.truncate(start + len);
             self.tail = first + n * WORD;
             got += len;
