@@ -370,14 +370,25 @@ impl Rpc {
     ) -> Result<Payload, Failure> {
         let inner = &self.inner;
         let now = Instant::now();
-        let mut deadline = deadline.unwrap_or(now + inner.cfg.default_timeout);
+        // Without a deadline of its own the call gets the default timeout,
+        // which is its budget too, until a transaction shortens it.
+        let (mut deadline, mut budget_us) = match deadline {
+            Some(d) => (d, micros_until(d, now)),
+            None => (
+                now + inner.cfg.default_timeout,
+                inner.cfg.default_timeout.as_micros().min(u64::MAX as u128) as u64,
+            ),
+        };
         let mut ctx = tx.cloned();
         if let Some(ctx) = ctx.as_mut() {
             inner.tm.on_call_out(ctx, addr.node)?;
             // A context's budget is relative to when it was made: recompute it
             // from the transaction's deadline as this node knows it.
             if let Some(tx_deadline) = inner.tm.deadline(ctx.tid) {
-                deadline = deadline.min(tx_deadline);
+                if tx_deadline < deadline {
+                    deadline = tx_deadline;
+                    budget_us = micros_until(deadline, now);
+                }
                 ctx.budget_us = budget(Some(tx_deadline));
             }
             if let Some(b) = inner.tm.baggage(ctx.tid) {
@@ -390,7 +401,7 @@ impl Rpc {
             service: addr.service.clone(),
             instance: addr.instance,
             node: addr.node,
-            budget_us: Some(micros_until(deadline, now)),
+            budget_us: Some(budget_us),
             tx: ctx.map(Box::new),
             flags: 0,
             payload,
