@@ -176,7 +176,9 @@ impl BusyPoll {
         let mut next_yield = YIELD_EVERY;
         let mut spins: u32 = 0;
         loop {
-            if signal.woken.swap(false, Ordering::AcqRel) {
+            // Looked at before it is cleared: a swap is a locked
+            // instruction, and this loop runs it while it spins.
+            if signal.woken.load(Ordering::Acquire) && signal.woken.swap(false, Ordering::AcqRel) {
                 if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
                     return v;
                 }
