@@ -31,7 +31,11 @@
 //! group table (ids, salted secret verifiers, which nodes host members) to
 //! every node, so a send needs no round trip to it; the sender's node sends
 //! the message to every member node at once and each answers how many of its
-//! members it queued the message for. Messages of any size travel through the
+//! members it queued the message for, in one message with the replies its
+//! members made at once (a member node's whole answer to a send is usually
+//! one write, and the sender's node takes the count before those replies).
+//! A communication's end is told only to nodes with members still to answer.
+//! Messages of any size travel through the
 //! transport (fragmented on the wire); local values move without being
 //! serialized when they stay in the process.
 #![warn(missing_docs)]

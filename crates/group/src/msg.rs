@@ -124,6 +124,22 @@ impl<'de> Deserialize<'de> for Body {
     }
 }
 
+/// A shared group id travels as the id itself.
+mod shared_gid {
+    use std::sync::Arc;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use weft_wire::GroupId;
+
+    pub fn serialize<S: Serializer>(gid: &Arc<GroupId>, s: S) -> Result<S::Ok, S::Error> {
+        gid.as_ref().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<GroupId>, D::Error> {
+        GroupId::deserialize(d).map(Arc::new)
+    }
+}
+
 /// Orders table changes: the directory's incarnation, then a counter. A
 /// restarted directory's changes win over everything its predecessor said.
 #[derive(
@@ -276,8 +292,10 @@ pub enum GroupMsg {
     Deliver {
         /// The communication.
         comm: CommId,
-        /// The group.
-        gid: GroupId,
+        /// The group (shared by the copies for every node, their
+        /// retransmissions and the members' queue entries).
+        #[serde(with = "shared_gid")]
+        gid: Arc<GroupId>,
         /// The tag.
         tag: Tag,
         /// The message.
@@ -366,8 +384,9 @@ pub enum GroupMsg {
         /// Milliseconds left for the whole fan-out.
         budget_ms: u32,
     },
-    /// Several messages to one node, sent together (acknowledgements that
-    /// nobody is blocked on are coalesced this way).
+    /// Several messages to one node, sent together (a delivery count with
+    /// the replies made at once, acknowledgements, terminations). The
+    /// receiver takes the counts first.
     Batch(Vec<GroupMsg>),
     /// Directory → a node it had believed dead: introduce yourself again
     /// (`Sync`), your members were dropped meanwhile.
@@ -513,6 +532,25 @@ impl GroupMsg {
         }
     }
 
+    /// True when handling the message may need to know the directory node:
+    /// everything but the messages of communications (deliveries, counts,
+    /// replies, terminations, lost members, probes), which never look.
+    pub fn needs_directory(&self) -> bool {
+        match self {
+            GroupMsg::Deliver { .. }
+            | GroupMsg::Ack { .. }
+            | GroupMsg::Reply { .. }
+            | GroupMsg::ReplyAck { .. }
+            | GroupMsg::Terminate { .. }
+            | GroupMsg::Lost { .. }
+            | GroupMsg::LostAck { .. }
+            | GroupMsg::Probe { .. }
+            | GroupMsg::ProbeAck { .. } => false,
+            GroupMsg::Batch(v) => v.iter().any(|m| m.needs_directory()),
+            _ => true,
+        }
+    }
+
     /// True when handling the message needs the list of live nodes (the
     /// directory pushes changes to every node).
     pub fn needs_cluster(&self) -> bool {
@@ -523,15 +561,22 @@ impl GroupMsg {
         }
     }
 
+    /// True for delivery counts (a sender may be blocked on them).
+    pub fn is_count(&self) -> bool {
+        matches!(self, GroupMsg::Ack { .. } | GroupMsg::TxAck { .. })
+    }
+
     /// True for messages that may wait a moment to travel with others to
-    /// the same node: replies (several members of one node usually answer
-    /// the same send together), acknowledgements nobody is blocked on, and
-    /// terminations. Delivery counts never wait: the sender is blocked on
-    /// them.
+    /// the same node: delivery counts (they wait only for the members they
+    /// woke to have their turn, and leave with the replies those made at
+    /// once: one write instead of two, which is what a busy machine saves
+    /// most), replies (several members of one node usually answer the same
+    /// send together), acknowledgements and terminations.
     pub fn deferrable(&self) -> bool {
         matches!(
             self,
-            GroupMsg::Reply { .. }
+            GroupMsg::Ack { .. }
+                | GroupMsg::Reply { .. }
                 | GroupMsg::ReplyAck { .. }
                 | GroupMsg::LostAck { .. }
                 | GroupMsg::PushAck { .. }
@@ -559,7 +604,7 @@ mod tests {
         };
         let local = GroupMsg::Deliver {
             comm,
-            gid: gid.clone(),
+            gid: Arc::new(gid.clone()),
             tag: Tag(3),
             body: Body::Payload(Payload::local("hello".to_string())),
         };

@@ -11,7 +11,6 @@
 //! run the receiving side synchronously), and never decide anything the core
 //! decides.
 
-use std::collections::HashMap;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -32,7 +31,7 @@ use crate::core::host::NODE_MEMBER;
 use crate::core::origin::{Delivery, Progress, ReplyItem, Take};
 use crate::core::retry::RetryKey;
 use crate::core::{Action, Core, Env};
-use crate::ids::{CommId, MemberId, SenderId, Tag};
+use crate::ids::{CommId, IdMap, MemberId, SenderId, Tag};
 use crate::msg::{DirAnswer, DirOp, GroupMsg, GroupRecord};
 use crate::secret::{GroupKey, Verifier};
 
@@ -90,24 +89,54 @@ pub(crate) struct Shared {
     tm: Option<TxManager>,
     cfg: GroupConfig,
     core: Mutex<Core>,
-    ops: Mutex<HashMap<u64, oneshot::Sender<Result<DirAnswer, Failure>>>>,
+    ops: Mutex<IdMap<u64, oneshot::Sender<Result<DirAnswer, Failure>>>>,
     next_op: AtomicU64,
     next_sender: AtomicU64,
-    senders: Mutex<HashMap<u64, Arc<Notify>>>,
-    members: Mutex<HashMap<u64, Arc<Notify>>>,
+    senders: Mutex<IdMap<u64, Arc<Notify>>>,
+    members: Mutex<IdMap<u64, Arc<Notify>>>,
     synced: Mutex<Option<(Option<NodeId>, Option<Incarnation>)>>,
-    /// Deferrable messages waiting to be sent together, by destination.
-    deferred: Mutex<HashMap<NodeId, Vec<Deferred>>>,
+    /// Deferrable messages waiting to be sent together.
+    deferred: Mutex<Outgoing>,
     /// The timer sleeps while the core has nothing timed (set under the core
     /// lock); a step that gives it work clears this and wakes it.
     timer_asleep: AtomicBool,
     timer_work: Arc<Notify>,
 }
 
+/// What a core step needs to know about the cluster ([`Env`]).
+#[derive(Clone, Copy)]
+enum Need {
+    /// Nothing: the step never looks (an empty [`Env`]).
+    Nothing,
+    /// The directory node.
+    Directory,
+    /// The directory and the live nodes.
+    Cluster,
+}
+
 /// A message waiting to travel with others, and what it waits for.
 type Deferred = (GroupMsg, Option<RetryKey>);
 
-type Step<'a, R> = Box<dyn FnOnce(&mut Core, &Env, Instant, &mut Vec<Action>) -> R + 'a>;
+/// Deferrable messages and the task that sends them.
+#[derive(Default)]
+struct Outgoing {
+    /// By destination.
+    batches: IdMap<NodeId, Vec<Deferred>>,
+    /// A task to send them is spawned and has not started.
+    spawned: bool,
+    /// Handlers that asked the task to wait for them (see
+    /// [`Shared::on_group_message`]).
+    holds: u32,
+}
+
+impl Outgoing {
+    /// Whether to spawn the sending task now (and note that it is).
+    fn spawn_now(&mut self) -> bool {
+        let now = !self.spawned && self.holds == 0 && !self.batches.is_empty();
+        self.spawned |= now;
+        now
+    }
+}
 
 impl Shared {
     fn env(&self, full: bool) -> Env {
@@ -131,10 +160,18 @@ impl Shared {
     }
 
     /// Runs one core step, then carries out its actions without the lock.
-    fn step<R>(self: &Arc<Self>, full_env: bool, f: Step<'_, R>) -> R {
-        let env = self.env(full_env);
+    fn step<R>(
+        self: &Arc<Self>,
+        need: Need,
+        f: impl FnOnce(&mut Core, &Env, Instant, &mut Vec<Action>) -> R,
+    ) -> R {
+        let env = match need {
+            Need::Nothing => Env::default(),
+            Need::Directory => self.env(false),
+            Need::Cluster => self.env(true),
+        };
         let now = Instant::now();
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(8);
         let (r, wake_timer) = {
             let mut core = self.core.lock();
             let r = f(&mut core, &env, now, &mut out);
@@ -164,22 +201,21 @@ impl Shared {
     }
 
     fn act(self: &Arc<Self>, out: Vec<Action>) {
+        let mut deferred = Vec::new();
+        let mut woken = Vec::new();
         for a in out {
             match a {
                 Action::Send { to, msg, key } if msg.deferrable() => {
-                    self.defer(to, msg, key);
+                    deferred.push((to, msg, key));
                 }
                 Action::Send { to, msg, key } => {
                     tracing::trace!(to = %to, kind = msg.kind(), "group message out");
                     if let Err(f) = self.endpoint.send(to, Port::GROUP, Payload::local(msg)) {
                         tracing::debug!(to = %to, %f, "group message not sent");
                         if let Some(key) = key {
-                            self.step(
-                                false,
-                                Box::new(move |core, env, now, out| {
-                                    core.on_send_failed(key, to, f.status, env, now, out)
-                                }),
-                            );
+                            self.step(Need::Directory, move |core, env, now, out| {
+                                core.on_send_failed(key, to, f.status, env, now, out)
+                            });
                         }
                     }
                 }
@@ -188,11 +224,7 @@ impl Shared {
                         n.notify_waiters();
                     }
                 }
-                Action::WakeMember(id) => {
-                    if let Some(n) = self.members.lock().get(&id) {
-                        n.notify_waiters();
-                    }
-                }
+                Action::WakeMember(id) => woken.push(id),
                 Action::Complete { op, result } => {
                     if let Some(tx) = self.ops.lock().remove(&op) {
                         let _ = tx.send(result);
@@ -200,34 +232,133 @@ impl Shared {
                 }
             }
         }
+        // Members wake after this step's messages to other nodes left, and
+        // before the task that sends the deferred ones is spawned, so that
+        // it runs after them and takes their replies along.
+        if !woken.is_empty() {
+            let members = self.members.lock();
+            for id in woken {
+                if let Some(n) = members.get(&id) {
+                    n.notify_waiters();
+                }
+            }
+        }
+        if !deferred.is_empty() {
+            self.defer(deferred);
+        }
     }
 
-    /// Queues a message that may travel with others; a task sends
-    /// everything queued, one batch per node. Several members of a node
-    /// answering the same send then cost the network one message, and the
-    /// task that produced an acknowledgement (often the inbox task, which
-    /// the next delivery count waits behind) does not pay for the send.
-    fn defer(self: &Arc<Self>, to: NodeId, msg: GroupMsg, key: Option<RetryKey>) {
-        let first = {
-            let mut d = self.deferred.lock();
-            let first = d.is_empty();
-            d.entry(to).or_default().push((msg, key));
-            first
-        };
-        if first {
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => {
-                    let me = Arc::clone(self);
-                    rt.spawn(async move { me.flush() });
+    /// A group message from node `from` (this node included). The delivery
+    /// counts of a batch are taken first, and its other messages (replies)
+    /// once the tasks the counts woke had their turn: a sender blocked on
+    /// its count does not wait for the replies that travelled with it, and
+    /// the answers to those replies wait for them.
+    fn on_group_message(self: &Arc<Self>, from: NodeId, msg: GroupMsg) {
+        let msg = match msg {
+            GroupMsg::Batch(msgs)
+                if msgs.iter().any(GroupMsg::is_count) && !msgs.iter().all(GroupMsg::is_count) =>
+            {
+                let (counts, rest): (Vec<GroupMsg>, Vec<GroupMsg>) =
+                    msgs.into_iter().partition(GroupMsg::is_count);
+                self.deferred.lock().holds += 1;
+                self.handle_message(from, GroupMsg::Batch(counts));
+                let rest = GroupMsg::Batch(rest);
+                match tokio::runtime::Handle::try_current() {
+                    Ok(rt) => {
+                        let me = Arc::clone(self);
+                        rt.spawn(async move {
+                            me.handle_message(from, rest);
+                            me.release_flush();
+                        });
+                    }
+                    Err(_) => {
+                        self.handle_message(from, rest);
+                        self.release_flush();
+                    }
                 }
-                // A handle dropped outside any runtime: send at once.
-                Err(_) => self.flush(),
+                return;
             }
+            msg => msg,
+        };
+        self.handle_message(from, msg);
+    }
+
+    fn handle_message(self: &Arc<Self>, from: NodeId, msg: GroupMsg) {
+        let span = match &msg {
+            GroupMsg::TxDeliver { tid, comm, .. } => {
+                tracing::debug_span!("group.tx_fanout", gid = %GroupId::Tx(*tid), %tid, %comm, %from)
+            }
+            GroupMsg::Deliver { gid, comm, .. } => {
+                tracing::trace_span!("group.deliver", %gid, %comm, %from)
+            }
+            other => tracing::trace_span!("group.message", kind = other.kind(), %from),
+        };
+        let _entered = span.enter();
+        let tree = match &msg {
+            GroupMsg::TxDeliver { tid, .. } => self.tree(*tid),
+            _ => None,
+        };
+        let need = if msg.needs_cluster() {
+            Need::Cluster
+        } else if msg.needs_directory() {
+            Need::Directory
+        } else {
+            Need::Nothing
+        };
+        self.step(need, move |core, env, now, out| {
+            core.on_message(from, msg, tree.as_ref(), env, now, out)
+        });
+    }
+
+    /// Queues messages that may travel with others; a task sends
+    /// everything queued, one batch per node. It is spawned after the step
+    /// woke the members it concerns, so it runs once they had their turn:
+    /// a delivery count leaves with the replies its members made at once,
+    /// and several members of a node answering the same send cost the
+    /// network one message. The task that produced the messages (often the
+    /// inbox task) does not pay for the send.
+    fn defer(self: &Arc<Self>, msgs: Vec<(NodeId, GroupMsg, Option<RetryKey>)>) {
+        let spawn = {
+            let mut d = self.deferred.lock();
+            for (to, msg, key) in msgs {
+                d.batches.entry(to).or_default().push((msg, key));
+            }
+            d.spawn_now()
+        };
+        if spawn {
+            self.spawn_flush();
+        }
+    }
+
+    /// A handler that held the sending task is done.
+    fn release_flush(self: &Arc<Self>) {
+        let spawn = {
+            let mut d = self.deferred.lock();
+            d.holds -= 1;
+            d.spawn_now()
+        };
+        if spawn {
+            self.spawn_flush();
+        }
+    }
+
+    fn spawn_flush(self: &Arc<Self>) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                let me = Arc::clone(self);
+                rt.spawn(async move { me.flush() });
+            }
+            // A handle dropped outside any runtime: send at once.
+            Err(_) => self.flush(),
         }
     }
 
     fn flush(self: &Arc<Self>) {
-        let batches = std::mem::take(&mut *self.deferred.lock());
+        let batches = {
+            let mut d = self.deferred.lock();
+            d.spawned = false;
+            std::mem::take(&mut d.batches)
+        };
         for (to, mut items) in batches {
             let keys: Vec<RetryKey> = items.iter().filter_map(|(_, k)| *k).collect();
             let msg = if items.len() == 1 {
@@ -238,12 +369,9 @@ impl Shared {
             if let Err(f) = self.endpoint.send(to, Port::GROUP, Payload::local(msg)) {
                 tracing::debug!(to = %to, %f, "group messages not sent");
                 for key in keys {
-                    self.step(
-                        false,
-                        Box::new(move |core, env, now, out| {
-                            core.on_send_failed(key, to, f.status, env, now, out)
-                        }),
-                    );
+                    self.step(Need::Directory, move |core, env, now, out| {
+                        core.on_send_failed(key, to, f.status, env, now, out)
+                    });
                 }
             }
         }
@@ -275,10 +403,9 @@ impl Shared {
     /// A directory request; completes with the directory's answer.
     async fn directory(self: &Arc<Self>, dir_op: DirOp) -> Result<DirAnswer, Failure> {
         let (op, rx) = self.new_op();
-        self.step(
-            false,
-            Box::new(move |core, env, now, out| core.directory_op(op, dir_op, env, now, out)),
-        );
+        self.step(Need::Directory, move |core, env, now, out| {
+            core.directory_op(op, dir_op, env, now, out)
+        });
         self.wait_op(op, rx, self.cfg.directory_timeout).await
     }
 
@@ -345,10 +472,9 @@ impl Shared {
     }
 
     fn sync(self: &Arc<Self>) {
-        self.step(
-            false,
-            Box::new(|core, env, now, out| core.sync(env, now, out)),
-        );
+        self.step(Need::Directory, |core, env, now, out| {
+            core.sync(env, now, out)
+        });
     }
 
     fn on_membership(self: &Arc<Self>, ev: MembershipEvent) {
@@ -359,12 +485,9 @@ impl Shared {
                     _ => Status::ProcDead,
                 };
                 tracing::debug!(node = %self.endpoint.node_id(), peer = %node, %status, "group: node gone");
-                self.step(
-                    true,
-                    Box::new(move |core, env, now, out| {
-                        core.on_node_dead(node, status, env, now, out)
-                    }),
-                );
+                self.step(Need::Cluster, move |core, env, now, out| {
+                    core.on_node_dead(node, status, env, now, out)
+                });
                 // The directory may have moved with it.
                 self.sync_if_directory_changed();
             }
@@ -436,27 +559,7 @@ impl PortHandler for Handler {
                 return;
             }
         };
-        let span = match &msg {
-            GroupMsg::TxDeliver { tid, comm, .. } => {
-                tracing::debug_span!("group.tx_fanout", gid = %GroupId::Tx(*tid), %tid, %comm, from = %from.node)
-            }
-            GroupMsg::Deliver { gid, comm, .. } => {
-                tracing::trace_span!("group.deliver", %gid, %comm, from = %from.node)
-            }
-            other => tracing::trace_span!("group.message", kind = other.kind(), from = %from.node),
-        };
-        let _entered = span.enter();
-        let tree = match &msg {
-            GroupMsg::TxDeliver { tid, .. } => shared.tree(*tid),
-            _ => None,
-        };
-        let full = msg.needs_cluster();
-        shared.step(
-            full,
-            Box::new(move |core, env, now, out| {
-                core.on_message(from.node, msg, tree.as_ref(), env, now, out)
-            }),
-        );
+        shared.on_group_message(from.node, msg);
     }
 }
 
@@ -496,13 +599,13 @@ impl Groups {
             endpoint: endpoint.clone(),
             tm,
             core: Mutex::new(core),
-            ops: Mutex::new(HashMap::new()),
+            ops: Mutex::new(IdMap::default()),
             next_op: AtomicU64::new(1),
             next_sender: AtomicU64::new(1),
-            senders: Mutex::new(HashMap::new()),
-            members: Mutex::new(HashMap::new()),
+            senders: Mutex::new(IdMap::default()),
+            members: Mutex::new(IdMap::default()),
             synced: Mutex::new(None),
-            deferred: Mutex::new(HashMap::new()),
+            deferred: Mutex::new(Outgoing::default()),
             timer_asleep: AtomicBool::new(false),
             timer_work: Arc::new(Notify::new()),
             cfg,
@@ -539,10 +642,9 @@ impl Groups {
                     if s.endpoint.is_crashed() {
                         return;
                     }
-                    s.step(
-                        false,
-                        Box::new(|core, env, now, out| core.tick(env, now, out)),
-                    );
+                    s.step(Need::Directory, |core, env, now, out| {
+                        core.tick(env, now, out)
+                    });
                     s.sync_if_directory_changed();
                     s.timer_may_sleep()
                 };
@@ -771,10 +873,11 @@ impl Member {
         let key = self.shared.verified(gid, &cred).await?;
         let (op, rx) = self.shared.new_op();
         let (member, g) = (self.id, gid.clone());
-        let done = self.shared.step(
-            false,
-            Box::new(move |core, env, now, out| core.join(op, member, &g, key, env, now, out)),
-        );
+        let done = self
+            .shared
+            .step(Need::Directory, move |core, env, now, out| {
+                core.join(op, member, &g, key, env, now, out)
+            });
         match done {
             Ok(true) => {
                 self.shared.ops.lock().remove(&op);
@@ -804,10 +907,10 @@ impl Member {
     pub(crate) async fn leave_with(&self, gid: &GroupId, cred: Credential) -> Result<(), Failure> {
         self.shared.verified(gid, &cred).await?;
         let (member, g) = (self.id, gid.clone());
-        self.shared.step(
-            false,
-            Box::new(move |core, env, now, out| core.leave(member, &g, env, now, out)),
-        )
+        self.shared
+            .step(Need::Directory, move |core, env, now, out| {
+                core.leave(member, &g, env, now, out)
+            })
     }
 
     /// The groups this member belongs to.
@@ -827,6 +930,11 @@ impl Member {
 
     async fn wait(&self, gid: Option<&GroupId>, tag: Option<Tag>) -> Result<Incoming, Failure> {
         loop {
+            // A queued message is taken without registering to wait (the
+            // common case once woken).
+            if let Some(i) = self.take(gid, tag)? {
+                return Ok(i);
+            }
             let mut notified = pin!(self.notify.notified());
             notified.as_mut().enable();
             if let Some(i) = self.take(gid, tag)? {
@@ -881,10 +989,10 @@ impl Drop for Member {
     fn drop(&mut self) {
         self.shared.members.lock().remove(&self.id);
         let id = self.id;
-        self.shared.step(
-            false,
-            Box::new(move |core, env, now, out| core.drop_member(id, env, now, out)),
-        );
+        self.shared
+            .step(Need::Directory, move |core, env, now, out| {
+                core.drop_member(id, env, now, out)
+            });
     }
 }
 
@@ -940,7 +1048,7 @@ pub struct Incoming {
     shared: Arc<Shared>,
     member: u64,
     comm: CommId,
-    gid: GroupId,
+    gid: Arc<GroupId>,
     tag: Tag,
     payload: Option<Payload>,
 }
@@ -1026,12 +1134,9 @@ impl Incoming {
         let (member, comm) = (self.member, self.comm);
         async move {
             let (op, rx) = shared.new_op();
-            let started = shared.step(
-                false,
-                Box::new(move |core, _env, now, out| {
-                    core.reply(op, member, &comm, payload, now, out)
-                }),
-            );
+            let started = shared.step(Need::Nothing, move |core, _env, now, out| {
+                core.reply(op, member, &comm, payload, now, out)
+            });
             if let Err(f) = started {
                 shared.ops.lock().remove(&op);
                 return Err(f);
@@ -1114,24 +1219,24 @@ impl GroupSender {
         let sender = self.id;
         let comm = match gid {
             GroupId::Named { .. } => {
-                let hosts = self.shared.record(gid).await?.hosts;
+                let cached = self.shared.core.lock().record(gid).map(|r| r.hosts.clone());
+                let hosts = match cached {
+                    Some(hosts) => hosts,
+                    None => self.shared.record(gid).await?.hosts,
+                };
                 let g = gid.clone();
-                self.shared.step(
-                    false,
-                    Box::new(move |core, _env, now, out| {
+                self.shared
+                    .step(Need::Nothing, move |core, _env, now, out| {
                         core.send(sender, &g, tag, payload, &hosts, now, out)
-                    }),
-                )?
+                    })?
             }
             GroupId::Tx(tid) => {
                 let tree = self.shared.tree(*tid);
                 let tid = *tid;
-                self.shared.step(
-                    false,
-                    Box::new(move |core, _env, now, out| {
+                self.shared
+                    .step(Need::Nothing, move |core, _env, now, out| {
                         core.send_tx(sender, tid, tag, payload, tree.as_ref(), now, out)
-                    }),
-                )?
+                    })?
             }
         };
         let deadline = Instant::now() + self.shared.cfg.count_timeout + Duration::from_secs(1);
@@ -1186,10 +1291,9 @@ impl GroupSender {
         let (sender, g) = (self.id, gid.clone());
         let n = u32::try_from(n).unwrap_or(u32::MAX);
         self.shared
-            .step(
-                false,
-                Box::new(move |core, _env, _now, out| core.set_replies(sender, &g, n, out)),
-            )
+            .step(Need::Nothing, move |core, _env, _now, out| {
+                core.set_replies(sender, &g, n, out)
+            })
             .map(|n| n as usize)
     }
 
@@ -1283,9 +1387,9 @@ impl Drop for GroupSender {
     fn drop(&mut self) {
         self.shared.senders.lock().remove(&self.id);
         let id = self.id;
-        self.shared.step(
-            false,
-            Box::new(move |core, _env, _now, out| core.drop_sender(id, out)),
-        );
+        self.shared
+            .step(Need::Nothing, move |core, _env, _now, out| {
+                core.drop_sender(id, out)
+            });
     }
 }

@@ -9,12 +9,12 @@
 //! Owns the per-message fan-out state at one node. Must never look up the
 //! transaction itself: the caller passes the node's neighbours in it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use weft_wire::{NodeId, Status};
 
-use crate::ids::CommId;
+use crate::ids::{CommId, IdMap};
 
 /// A node's place in a transaction's participant tree.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -97,7 +97,7 @@ impl Fan {
 /// Fan-outs this node takes part in.
 #[derive(Default)]
 pub struct Fanout {
-    fans: HashMap<CommId, Fan>,
+    fans: IdMap<CommId, Fan>,
 }
 
 impl Fanout {

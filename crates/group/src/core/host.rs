@@ -9,11 +9,12 @@
 //! Must never talk to other nodes: it reports what they must hear.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use weft_wire::{Failure, GroupId, NodeId, Payload, Status};
 
-use crate::ids::{CommId, MemberId, SenderId, Tag};
+use crate::ids::{CommId, IdMap, MemberId, SenderId, Tag};
 
 /// The member id of the node itself (the member of its transaction groups).
 pub const NODE_MEMBER: u64 = 0;
@@ -23,8 +24,8 @@ pub const NODE_MEMBER: u64 = 0;
 pub struct Received {
     /// The communication.
     pub comm: CommId,
-    /// The group it was sent to.
-    pub gid: GroupId,
+    /// The group it was sent to (shared by every copy of the message).
+    pub gid: Arc<GroupId>,
     /// Its tag.
     pub tag: Tag,
     /// The message.
@@ -55,7 +56,7 @@ pub struct Delivered {
 
 struct Entry {
     comm: CommId,
-    gid: GroupId,
+    gid: Arc<GroupId>,
     tag: Tag,
     payload: Payload,
 }
@@ -83,12 +84,15 @@ impl MState {
 
 struct InComm {
     /// `None` for a communication known only from its termination.
-    gid: Option<GroupId>,
+    gid: Option<Arc<GroupId>>,
     members: BTreeMap<u64, MState>,
     terminated: bool,
     count: u32,
     full: u32,
     touched: Instant,
+    /// Its place in [`Host::schedule`]: the housekeeping looks at it
+    /// again once this is a probe interval in the past.
+    due: Instant,
 }
 
 impl InComm {
@@ -100,12 +104,16 @@ impl InComm {
 /// The members of this node and the communications that reached them.
 pub struct Host {
     me: NodeId,
-    members: HashMap<u64, LocalMember>,
+    members: IdMap<u64, LocalMember>,
     next_member: u64,
     groups: HashMap<GroupId, BTreeSet<u64>>,
-    comms: HashMap<CommId, InComm>,
-    latest: HashMap<(SenderId, GroupId), u64>,
-    replies: HashMap<u64, (CommId, u64)>,
+    comms: IdMap<CommId, InComm>,
+    /// Every communication remembered, by when housekeeping looks at it
+    /// next, so that a tick costs what is due, not what is remembered.
+    schedule: BTreeSet<(Instant, CommId)>,
+    /// The latest session seen from each sender, per group.
+    latest: IdMap<SenderId, HashMap<GroupId, u64>>,
+    replies: IdMap<u64, (CommId, u64)>,
     queue_cap: usize,
     max_members: usize,
     max_groups_per_member: usize,
@@ -119,16 +127,17 @@ impl Host {
         max_members: usize,
         max_groups_per_member: usize,
     ) -> Self {
-        let mut members = HashMap::new();
+        let mut members = IdMap::default();
         members.insert(NODE_MEMBER, LocalMember::default());
         Host {
             me,
             members,
             next_member: 1,
             groups: HashMap::new(),
-            comms: HashMap::new(),
-            latest: HashMap::new(),
-            replies: HashMap::new(),
+            comms: IdMap::default(),
+            schedule: BTreeSet::new(),
+            latest: IdMap::default(),
+            replies: IdMap::default(),
             queue_cap,
             max_members,
             max_groups_per_member,
@@ -301,7 +310,7 @@ impl Host {
                 format!("{} is not a member of {gid}", self.mid(member)),
             ));
         }
-        let lost = self.drop_queued(member, Status::ProcDead, |e| &e.gid == gid);
+        let lost = self.drop_queued(member, Status::ProcDead, |e| *e.gid == *gid);
         let emptied = self.forget_membership(member, gid);
         Ok((lost, emptied))
     }
@@ -358,7 +367,7 @@ impl Host {
             if let Some(lm) = self.members.get_mut(m) {
                 lm.groups.remove(gid);
             }
-            lost.extend(self.drop_queued(*m, Status::NoSuchGroup, |e| &e.gid == gid));
+            lost.extend(self.drop_queued(*m, Status::NoSuchGroup, |e| *e.gid == *gid));
         }
         (lost, members)
     }
@@ -371,22 +380,24 @@ impl Host {
     pub fn deliver(
         &mut self,
         comm: CommId,
-        gid: &GroupId,
+        gid: Arc<GroupId>,
         tag: Tag,
         payload: Option<Payload>,
         tx_target: bool,
         now: Instant,
     ) -> Delivered {
-        if let Some(c) = self.comms.get_mut(&comm) {
-            c.touched = now;
+        if let Some(c) = self.comms.get(&comm) {
+            let (count, full) = (c.count, c.full);
+            self.touch(&comm, now);
             return Delivered {
-                count: c.count,
-                full: c.full,
+                count,
+                full,
                 woke: Vec::new(),
             };
         }
-        let key = (comm.sender, gid.clone());
-        let superseded = self.latest.get(&key).is_some_and(|s| *s > comm.session);
+        let latest = self.latest.entry(comm.sender).or_default();
+        let seen = latest.get_mut(&*gid);
+        let superseded = seen.as_ref().is_some_and(|s| **s > comm.session);
         let mut record = InComm {
             gid: Some(gid.clone()),
             members: BTreeMap::new(),
@@ -394,13 +405,21 @@ impl Host {
             count: 0,
             full: 0,
             touched: now,
+            due: now,
         };
         let (Some(payload), false) = (payload, superseded) else {
             record.terminated = true;
-            self.comms.insert(comm, record);
+            self.remember(comm, record);
             return Delivered::default();
         };
-        if let Some(old) = self.latest.insert(key, comm.session) {
+        let old = match seen {
+            Some(s) => Some(std::mem::replace(s, comm.session)),
+            None => {
+                latest.insert((*gid).clone(), comm.session);
+                None
+            }
+        };
+        if let Some(old) = old {
             let old_id = CommId {
                 sender: comm.sender,
                 session: old,
@@ -409,22 +428,18 @@ impl Host {
                 c.terminated = true; // superseded
             }
         }
-        let targets: Vec<u64> = match gid {
-            GroupId::Tx(_) => {
-                if tx_target {
-                    vec![NODE_MEMBER]
-                } else {
-                    Vec::new()
-                }
-            }
-            GroupId::Named { .. } => self
-                .groups
-                .get(gid)
-                .map(|s| s.iter().copied().collect())
-                .unwrap_or_default(),
+        let named = match &*gid {
+            GroupId::Named { .. } => self.groups.get(&*gid),
+            GroupId::Tx(_) => None,
         };
-        let mut eligible = Vec::with_capacity(targets.len());
-        for t in targets {
+        let node = matches!(&*gid, GroupId::Tx(_)) && tx_target;
+        let mut eligible = Vec::with_capacity(named.map_or(1, |s| s.len()));
+        for t in named
+            .into_iter()
+            .flatten()
+            .copied()
+            .chain(node.then_some(NODE_MEMBER))
+        {
             let Some(m) = self.members.get_mut(&t) else {
                 continue;
             };
@@ -440,19 +455,27 @@ impl Host {
                 eligible.push(t);
             }
         }
-        let copies: Vec<Payload> = match eligible.len() {
-            0 => Vec::new(),
-            1 => vec![payload],
-            k => match payload.into_bytes() {
-                Ok(b) => (0..k).map(|_| Payload::Bytes(b.clone())).collect(),
+        // One copy per member: bytes are shared; a local value is encoded
+        // once when more than one member takes it.
+        let (mut single, shared) = match eligible.len() {
+            0 => (None, None),
+            1 => (Some(payload), None),
+            _ => match payload.into_bytes() {
+                Ok(b) => (None, Some(b)),
                 Err(e) => {
                     tracing::warn!(%comm, "group message cannot be encoded for copies: {e}");
                     eligible.clear();
-                    Vec::new()
+                    (None, None)
                 }
             },
         };
-        for (t, p) in eligible.iter().zip(copies) {
+        for t in &eligible {
+            let Some(p) = single
+                .take()
+                .or_else(|| shared.as_ref().map(|b| Payload::Bytes(b.clone())))
+            else {
+                break;
+            };
             if let Some(m) = self.members.get_mut(t) {
                 m.queue.push_back(Entry {
                     comm,
@@ -469,8 +492,24 @@ impl Host {
             full: record.full,
             woke: eligible,
         };
-        self.comms.insert(comm, record);
+        self.remember(comm, record);
         out
+    }
+
+    /// Starts remembering a communication (not known yet).
+    fn remember(&mut self, comm: CommId, record: InComm) {
+        self.schedule.insert((record.due, comm));
+        self.comms.insert(comm, record);
+    }
+
+    /// Something happened to `comm` at `now`: its idle time restarts.
+    fn touch(&mut self, comm: &CommId, now: Instant) {
+        if let Some(c) = self.comms.get_mut(comm) {
+            self.schedule.remove(&(c.due, *comm));
+            c.touched = now;
+            c.due = now;
+            self.schedule.insert((now, *comm));
+        }
     }
 
     /// Takes the first message in `member`'s queue sent to `gid` (any group
@@ -494,7 +533,7 @@ impl Host {
         let pos = m
             .queue
             .iter()
-            .position(|e| gid.is_none_or(|g| &e.gid == g) && tag.is_none_or(|t| e.tag == t));
+            .position(|e| gid.is_none_or(|g| *e.gid == *g) && tag.is_none_or(|t| e.tag == t));
         let Some(pos) = pos else {
             return Ok(None);
         };
@@ -584,13 +623,13 @@ impl Host {
         match self.comms.get_mut(comm) {
             Some(c) if !c.terminated => {
                 c.terminated = true;
-                c.touched = now;
+                self.touch(comm, now);
                 true
             }
             Some(_) => false,
             None => {
                 // Remember it, in case its delivery is still on the way.
-                self.comms.insert(
+                self.remember(
                     *comm,
                     InComm {
                         gid: None,
@@ -599,6 +638,7 @@ impl Host {
                         count: 0,
                         full: 0,
                         touched: now,
+                        due: now,
                     },
                 );
                 false
@@ -614,7 +654,7 @@ impl Host {
                 c.terminated = true;
             }
         }
-        self.latest.retain(|(s, _), _| s.node != node);
+        self.latest.retain(|s, _| s.node != node);
         self.replies
             .iter()
             .filter(|(_, (c, _))| c.origin() == node)
@@ -627,22 +667,43 @@ impl Host {
     pub fn tick(&mut self, now: Instant, after: Duration) -> Vec<(NodeId, Vec<CommId>)> {
         let mut forget = Vec::new();
         let mut probe: BTreeMap<NodeId, Vec<CommId>> = BTreeMap::new();
-        for (id, c) in self.comms.iter_mut() {
+        let mut later = Vec::new();
+        // Only communications idle for `after` are looked at: a settled one
+        // comes back when it is idle for twice that (settling is for good),
+        // a live one is probed and comes back an interval later.
+        while let Some(&(due, id)) = self.schedule.first() {
+            if now.saturating_duration_since(due) < after {
+                break;
+            }
+            self.schedule.pop_first();
+            let Some(c) = self.comms.get_mut(&id) else {
+                continue;
+            };
             let idle = now.saturating_duration_since(c.touched);
             if c.settled() {
                 if idle >= after * 2 {
-                    forget.push(*id);
+                    forget.push(id);
+                } else {
+                    c.due = c.touched + after;
+                    later.push((c.due, id));
                 }
-            } else if idle >= after {
+            } else {
                 c.touched = now;
-                probe.entry(id.origin()).or_default().push(*id);
+                c.due = now;
+                later.push((now, id));
+                probe.entry(id.origin()).or_default().push(id);
             }
         }
+        self.schedule.extend(later);
         for id in forget {
             if let Some(gid) = self.comms.remove(&id).and_then(|c| c.gid) {
-                let key = (id.sender, gid);
-                if self.latest.get(&key) == Some(&id.session) {
-                    self.latest.remove(&key);
+                if let Some(latest) = self.latest.get_mut(&id.sender) {
+                    if latest.get(&*gid) == Some(&id.session) {
+                        latest.remove(&*gid);
+                        if latest.is_empty() {
+                            self.latest.remove(&id.sender);
+                        }
+                    }
                 }
             }
         }
@@ -689,7 +750,7 @@ mod tests {
         h.join(b, &g()).unwrap();
         let d = h.deliver(
             comm(1),
-            &g(),
+            Arc::new(g()),
             Tag(0),
             Some(Payload::local(5u32)),
             false,
@@ -697,7 +758,8 @@ mod tests {
         );
         assert_eq!((d.count, d.full), (2, 0));
         assert_eq!(
-            h.deliver(comm(1), &g(), Tag(0), None, false, now).count,
+            h.deliver(comm(1), Arc::new(g()), Tag(0), None, false, now)
+                .count,
             2,
             "repeat"
         );
@@ -719,7 +781,7 @@ mod tests {
         assert_eq!(h.reply_done(8, Status::Ok), Some((comm(1), a)));
         assert!(h.receive(a, Some(&g()), None).unwrap().is_none());
         // Tag selection.
-        h.deliver(comm(2), &g(), Tag(7), bytes(1), false, now);
+        h.deliver(comm(2), Arc::new(g()), Tag(7), bytes(1), false, now);
         assert!(h.receive(b, None, Some(Tag(8))).unwrap().is_none());
         // b's copy of comm 1 was superseded by comm 2.
         assert_eq!(h.receive(b, None, None).unwrap_err().status, Status::NoComm);
@@ -741,16 +803,16 @@ mod tests {
             session: i,
         };
         assert_eq!(
-            h.deliver(other(1), &g(), Tag(0), bytes(1), false, now)
+            h.deliver(other(1), Arc::new(g()), Tag(0), bytes(1), false, now)
                 .count,
             1
         );
-        let d = h.deliver(other(2), &g(), Tag(0), bytes(2), false, now);
+        let d = h.deliver(other(2), Arc::new(g()), Tag(0), bytes(2), false, now);
         assert_eq!((d.count, d.full), (0, 1));
         // Entries of terminated communications make room.
         h.terminate(&other(1), now);
         assert_eq!(
-            h.deliver(other(3), &g(), Tag(0), bytes(3), false, now)
+            h.deliver(other(3), Arc::new(g()), Tag(0), bytes(3), false, now)
                 .count,
             1
         );
@@ -764,7 +826,7 @@ mod tests {
         let b = h.add_member().unwrap();
         h.join(a, &g()).unwrap();
         h.join(b, &g()).unwrap();
-        h.deliver(comm(1), &g(), Tag(0), bytes(1), false, now);
+        h.deliver(comm(1), Arc::new(g()), Tag(0), bytes(1), false, now);
         let (lost, emptied) = h.leave(a, &g()).unwrap();
         assert!(!emptied);
         assert_eq!(
@@ -790,23 +852,27 @@ mod tests {
         let a = h.add_member().unwrap();
         h.join(a, &g()).unwrap();
         assert_eq!(
-            h.deliver(comm(5), &g(), Tag(0), bytes(1), false, now).count,
+            h.deliver(comm(5), Arc::new(g()), Tag(0), bytes(1), false, now)
+                .count,
             1
         );
         assert_eq!(
-            h.deliver(comm(4), &g(), Tag(0), bytes(1), false, now).count,
+            h.deliver(comm(4), Arc::new(g()), Tag(0), bytes(1), false, now)
+                .count,
             0,
             "older session"
         );
         assert_eq!(
-            h.deliver(comm(6), &g(), Tag(0), None, false, now).count,
+            h.deliver(comm(6), Arc::new(g()), Tag(0), None, false, now)
+                .count,
             0,
             "elided"
         );
         // Terminated before its delivery arrived.
         h.terminate(&comm(8), now);
         assert_eq!(
-            h.deliver(comm(8), &g(), Tag(0), bytes(1), false, now).count,
+            h.deliver(comm(8), Arc::new(g()), Tag(0), bytes(1), false, now)
+                .count,
             0
         );
     }
@@ -818,7 +884,7 @@ mod tests {
         let mut h = Host::new(NodeId(2), 4, 10, 10);
         let a = h.add_member().unwrap();
         h.join(a, &g()).unwrap();
-        h.deliver(comm(1), &g(), Tag(0), bytes(1), false, t0);
+        h.deliver(comm(1), Arc::new(g()), Tag(0), bytes(1), false, t0);
         assert!(h.tick(t0, s).is_empty());
         assert_eq!(h.tick(t0 + s, s), vec![(NodeId(9), vec![comm(1)])]);
         assert!(h.tick(t0 + s, s).is_empty(), "not again at once");

@@ -23,12 +23,13 @@ pub mod retry;
 mod sim;
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use weft_wire::{Failure, GroupId, Incarnation, NodeId, Payload, Status, Tid};
 
 use crate::config::GroupConfig;
-use crate::ids::{CommId, MemberId, SenderId, Tag};
+use crate::ids::{CommId, IdMap, MemberId, SenderId, Tag};
 use crate::msg::{Body, Change, DirAnswer, DirOp, GroupMsg, GroupRecord};
 use crate::secret::GroupKey;
 
@@ -112,7 +113,7 @@ pub struct Core {
     outbox: Outbox,
     hosting: HashMap<GroupId, u64>,
     hosting_seq: u64,
-    ops: HashMap<u64, OpKind>,
+    ops: IdMap<u64, OpKind>,
     next_internal: u64,
 }
 
@@ -139,7 +140,7 @@ impl Core {
             outbox: Outbox::new(cfg.retransmit, cfg.max_retransmit),
             hosting: HashMap::new(),
             hosting_seq: 0,
-            ops: HashMap::new(),
+            ops: IdMap::default(),
             next_internal: INTERNAL,
             cfg,
         }
@@ -533,7 +534,8 @@ impl Core {
         }
         let bodies = self.bodies(payload, hosts)?;
         let sid = self.sender_id(sender);
-        let (comm, superseded) = self.origin.start(sid, gid, hosts, None)?;
+        let shared = Arc::new(gid.clone());
+        let (comm, superseded) = self.origin.start(sid, &shared, hosts, None)?;
         if let Some(t) = superseded {
             self.terminate_at(t, out);
         }
@@ -541,7 +543,7 @@ impl Core {
         for (h, body) in hosts.iter().zip(bodies) {
             let msg = GroupMsg::Deliver {
                 comm,
-                gid: gid.clone(),
+                gid: shared.clone(),
                 tag,
                 body,
             };
@@ -569,6 +571,22 @@ impl Core {
             ));
         }
         Ok(())
+    }
+
+    /// The body for one destination: a payload for this node moves as is;
+    /// otherwise it travels as bytes.
+    fn body(&self, payload: Payload, to: NodeId) -> Result<Body, Failure> {
+        if to == self.me {
+            if let Payload::Bytes(b) = &payload {
+                self.check_size(b.len())?;
+            }
+            return Ok(Body::moved(payload));
+        }
+        let bytes = payload
+            .into_bytes()
+            .map_err(|e| Failure::new(Status::BadRequest, e.to_string()))?;
+        self.check_size(bytes.len())?;
+        Ok(Body::Payload(Payload::Bytes(bytes)))
     }
 
     /// One body per destination: a payload for this node alone moves as
@@ -616,7 +634,9 @@ impl Core {
         let mut bodies = self.bodies(payload, &[root])?;
         let body = bodies.pop().unwrap_or(Body::Elided);
         let sid = self.sender_id(sender);
-        let (comm, superseded) = self.origin.start(sid, &gid, &[root], Some(root))?;
+        let (comm, superseded) = self
+            .origin
+            .start(sid, &Arc::new(gid), &[root], Some(root))?;
         if let Some(t) = superseded {
             self.terminate_at(t, out);
         }
@@ -719,7 +739,7 @@ impl Core {
         out: &mut Vec<Action>,
     ) -> Result<(), Failure> {
         let origin = comm.origin();
-        let mut bodies = self.bodies(payload, &[origin])?;
+        let body = self.body(payload, origin)?;
         self.host.begin_reply(member, comm, op)?;
         let msg = GroupMsg::Reply {
             reply: op,
@@ -728,7 +748,7 @@ impl Core {
                 node: self.me,
                 id: member,
             },
-            body: bodies.pop().unwrap_or(Body::Elided),
+            body,
         };
         let deadline = now + self.cfg.reply_timeout;
         self.send_armed(out, RetryKey::Reply(op), origin, msg, now, deadline);
@@ -772,9 +792,10 @@ impl Core {
             } => {
                 let d = self
                     .host
-                    .deliver(comm, &gid, tag, body.into_payload(), false, now);
-                // The count goes out before the members wake: the sender
-                // waits for it, the members' work can wait a moment.
+                    .deliver(comm, gid, tag, body.into_payload(), false, now);
+                // The count is deferrable: it leaves once the members woken
+                // here had their turn, in one message with the replies they
+                // made at once (see `GroupMsg::deferrable`).
                 let ack = GroupMsg::Ack {
                     comm,
                     counts: vec![(self.me, d.count)],
@@ -935,7 +956,7 @@ impl Core {
         };
         let d = self
             .host
-            .deliver(comm, &gid, tag, local, tree.is_some(), now);
+            .deliver(comm, Arc::new(gid), tag, local, tree.is_some(), now);
         out.extend(d.woke.iter().map(|m| Action::WakeMember(*m)));
         let budget = budget_ms * 4 / 5;
         let deadline = now + std::time::Duration::from_millis(u64::from(budget.max(1)));

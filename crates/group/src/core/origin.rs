@@ -12,11 +12,12 @@
 //! Owns that state machine. Must never send: it reports which nodes must
 //! hear that a communication terminated, and the core sends.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 
 use weft_wire::{Failure, GroupId, NodeId, Payload, Status};
 
-use crate::ids::{CommId, MemberId, SenderId};
+use crate::ids::{CommId, IdMap, IdSet, MemberId, SenderId};
 
 /// One item of a communication's reply stream.
 #[derive(Debug)]
@@ -93,7 +94,7 @@ struct Tally {
 #[derive(Debug)]
 pub struct Comm {
     id: CommId,
-    gid: GroupId,
+    gid: Arc<GroupId>,
     hosts: BTreeMap<NodeId, Tally>,
     /// The fan-out root of a transaction group (replaced by the nodes it
     /// reports).
@@ -103,8 +104,8 @@ pub struct Comm {
     wanted: Option<u32>,
     taken: u32,
     buffer: VecDeque<ReplyItem>,
-    answered: HashSet<MemberId>,
-    answered_by: HashMap<NodeId, u32>,
+    answered: IdSet<MemberId>,
+    answered_by: IdMap<NodeId, u32>,
     ended: Option<Ended>,
 }
 
@@ -137,12 +138,28 @@ impl Comm {
         self.ended.is_none() && self.limit().is_none_or(|l| self.stream() < l)
     }
 
+    /// Nodes that must hear that the communication ended: every node not
+    /// known dead that may still hold a member of it with nothing to say
+    /// yet. A node whose every member reached has answered (replied, or
+    /// reported lost) has nobody left to tell, and a node that queued
+    /// nothing neither.
     fn live_hosts(&self) -> Vec<NodeId> {
         self.hosts
             .iter()
-            .filter(|(_, t)| t.dead.is_none() && t.acked != Some(0))
+            .filter(|(n, t)| {
+                t.dead.is_none()
+                    && t.acked
+                        .is_none_or(|k| k > self.answered_by.get(n).copied().unwrap_or(0))
+            })
             .map(|(n, _)| *n)
             .collect()
+    }
+
+    fn terminated(&self) -> Terminated {
+        Terminated {
+            comm: self.id,
+            hosts: self.live_hosts(),
+        }
     }
 
     fn delivery(&self) -> Delivery {
@@ -163,14 +180,14 @@ impl Comm {
 
     /// Ends the communication if the wanted replies are in. Returns the
     /// nodes to tell.
-    fn settle(&mut self) -> Option<Vec<NodeId>> {
+    fn settle(&mut self) -> Option<Terminated> {
         if self.ended.is_some() {
             return None;
         }
         match self.limit() {
             Some(limit) if self.counted() && self.stream() >= limit => {
                 self.ended = Some(Ended::Satisfied);
-                Some(self.live_hosts())
+                Some(self.terminated())
             }
             _ => None,
         }
@@ -211,8 +228,9 @@ pub struct Terminated {
 
 /// Every communication started at this node.
 pub struct Origin {
-    comms: HashMap<CommId, Comm>,
-    current: HashMap<(u64, GroupId), CommId>,
+    comms: IdMap<CommId, Comm>,
+    /// Each sender's communication with each group.
+    current: IdMap<u64, HashMap<GroupId, CommId>>,
     next_session: u64,
     max_open: usize,
     max_buffered: usize,
@@ -223,8 +241,8 @@ impl Origin {
     /// `max_buffered` replies buffered per communication.
     pub fn new(max_open: usize, max_buffered: usize) -> Self {
         Origin {
-            comms: HashMap::new(),
-            current: HashMap::new(),
+            comms: IdMap::default(),
+            current: IdMap::default(),
             next_session: 0,
             max_open,
             max_buffered,
@@ -251,12 +269,11 @@ impl Origin {
     pub fn start(
         &mut self,
         sender: SenderId,
-        gid: &GroupId,
+        gid: &Arc<GroupId>,
         hosts: &[NodeId],
         tx_root: Option<NodeId>,
     ) -> Result<(CommId, Option<Terminated>), Failure> {
-        let key = (sender.id, gid.clone());
-        let previous = self.current.get(&key).copied();
+        let previous = self.current_of(sender.id, gid);
         if previous.is_none() && self.comms.len() >= self.max_open {
             return Err(Failure::new(
                 Status::NoBuffer,
@@ -265,10 +282,7 @@ impl Origin {
         }
         let superseded = previous.and_then(|old| {
             let c = self.comms.remove(&old)?;
-            c.ended.is_none().then(|| Terminated {
-                comm: old,
-                hosts: c.live_hosts(),
-            })
+            c.ended.is_none().then(|| c.terminated())
         });
         self.next_session += 1;
         let id = CommId {
@@ -277,7 +291,7 @@ impl Origin {
         };
         let comm = Comm {
             id,
-            gid: gid.clone(),
+            gid: Arc::clone(gid),
             hosts: hosts.iter().map(|h| (*h, Tally::default())).collect(),
             tx_root,
             full: 0,
@@ -285,13 +299,24 @@ impl Origin {
             wanted: None,
             taken: 0,
             buffer: VecDeque::new(),
-            answered: HashSet::new(),
-            answered_by: HashMap::new(),
+            answered: IdSet::default(),
+            answered_by: IdMap::default(),
             ended: None,
         };
         self.comms.insert(id, comm);
-        self.current.insert(key, id);
+        let current = self.current.entry(sender.id).or_default();
+        match current.get_mut(&**gid) {
+            Some(c) => *c = id,
+            None => {
+                current.insert((**gid).clone(), id);
+            }
+        }
         Ok((id, superseded))
+    }
+
+    /// `sender`'s current communication with `gid`.
+    fn current_of(&self, sender: u64, gid: &GroupId) -> Option<CommId> {
+        self.current.get(&sender)?.get(gid).copied()
     }
 
     /// The communication, if held.
@@ -315,8 +340,8 @@ impl Origin {
 
     /// The delivery report of `sender`'s current communication to `gid`.
     pub fn delivery(&self, sender: u64, gid: &GroupId) -> Option<Delivery> {
-        let id = self.current.get(&(sender, gid.clone()))?;
-        self.comms.get(id).map(|c| c.delivery())
+        let id = self.current_of(sender, gid)?;
+        self.comms.get(&id).map(|c| c.delivery())
     }
 
     /// A node's count arrived: `counts` members queued per node, `full`
@@ -365,7 +390,7 @@ impl Origin {
         }
         c.full += full;
         c.lost.extend_from_slice(lost);
-        c.settle().map(|hosts| Terminated { comm: c.id, hosts })
+        c.settle()
     }
 
     /// A member's reply arrived. Returns the answer for the member (Ok:
@@ -401,7 +426,7 @@ impl Origin {
             from: member,
             payload,
         });
-        let t = c.settle().map(|hosts| Terminated { comm: c.id, hosts });
+        let t = c.settle();
         (Status::Ok, t)
     }
 
@@ -438,7 +463,7 @@ impl Origin {
                 }
             }
         }
-        c.settle().map(|hosts| Terminated { comm: c.id, hosts })
+        c.settle()
     }
 
     fn lose_host(c: &mut Comm, node: NodeId, status: Status) -> bool {
@@ -475,7 +500,7 @@ impl Origin {
         if !Self::lose_host(c, node, status) {
             return None;
         }
-        c.settle().map(|hosts| Terminated { comm: c.id, hosts })
+        c.settle()
     }
 
     /// `node` died: every communication that reached or tried to reach it
@@ -487,8 +512,8 @@ impl Origin {
         for c in self.comms.values_mut() {
             if Self::lose_host(c, node, status) {
                 touched.push(c.id);
-                if let Some(hosts) = c.settle() {
-                    ended.push(Terminated { comm: c.id, hosts });
+                if let Some(t) = c.settle() {
+                    ended.push(t);
                 }
             }
         }
@@ -509,9 +534,7 @@ impl Origin {
         n: u32,
     ) -> Result<(u32, Option<Terminated>), Failure> {
         let id = self
-            .current
-            .get(&(sender, gid.clone()))
-            .copied()
+            .current_of(sender, gid)
             .ok_or_else(|| no_comm(gid, "no communication with this group"))?;
         let c = self
             .comms
@@ -532,23 +555,17 @@ impl Origin {
         if total == 0 {
             c.ended = Some(Ended::Cancelled);
             c.buffer.clear();
-            return Ok((
-                0,
-                Some(Terminated {
-                    comm: id,
-                    hosts: c.live_hosts(),
-                }),
-            ));
+            return Ok((0, Some(c.terminated())));
         }
         c.buffer.truncate(total.saturating_sub(c.taken) as usize);
-        let t = c.settle().map(|hosts| Terminated { comm: id, hosts });
+        let t = c.settle();
         Ok((total, t))
     }
 
     /// T-Shoshin's getreply without the wait: the next item of `sender`'s
     /// current communication with `gid`.
     pub fn take(&mut self, sender: u64, gid: &GroupId) -> Take {
-        let Some(id) = self.current.get(&(sender, gid.clone())).copied() else {
+        let Some(id) = self.current_of(sender, gid) else {
             return Take::NoComm(format!("no communication with {gid}"));
         };
         let Some(c) = self.comms.get_mut(&id) else {
@@ -573,22 +590,16 @@ impl Origin {
     /// The sender went away: its communications end. Returns those that
     /// were live, with the nodes to tell.
     pub fn drop_sender(&mut self, sender: u64) -> Vec<Terminated> {
-        let keys: Vec<(u64, GroupId)> = self
-            .current
-            .keys()
-            .filter(|(s, _)| *s == sender)
-            .cloned()
-            .collect();
         let mut out = Vec::new();
-        for k in keys {
-            if let Some(id) = self.current.remove(&k) {
-                if let Some(c) = self.comms.remove(&id) {
-                    if c.ended.is_none() {
-                        out.push(Terminated {
-                            comm: id,
-                            hosts: c.live_hosts(),
-                        });
-                    }
+        for id in self
+            .current
+            .remove(&sender)
+            .into_iter()
+            .flat_map(|m| m.into_values())
+        {
+            if let Some(c) = self.comms.remove(&id) {
+                if c.ended.is_none() {
+                    out.push(c.terminated());
                 }
             }
         }
@@ -602,7 +613,7 @@ impl Origin {
 
     /// The group of `comm`, when held.
     pub fn gid_of(&self, comm: &CommId) -> Option<&GroupId> {
-        self.comms.get(comm).map(|c| &c.gid)
+        self.comms.get(comm).map(|c| &*c.gid)
     }
 }
 
@@ -642,7 +653,7 @@ mod tests {
     fn counts_then_replies_then_terminates() {
         let mut o = Origin::new(10, 10);
         let (c, sup) = o
-            .start(sender(), &gid(), &[NodeId(2), NodeId(3)], None)
+            .start(sender(), &Arc::new(gid()), &[NodeId(2), NodeId(3)], None)
             .unwrap();
         assert!(sup.is_none());
         assert_eq!(o.progress(&c), Progress::Counting);
@@ -660,7 +671,7 @@ mod tests {
         let (st, t) = reply(&mut o, &c, m(2, 2));
         assert_eq!(st, Status::Ok);
         let t = t.expect("the third reply satisfies");
-        assert_eq!(t.hosts, vec![NodeId(2), NodeId(3)]);
+        assert!(t.hosts.is_empty(), "every member reached answered");
         assert_eq!(reply(&mut o, &c, m(2, 9)).0, Status::NoComm);
         for _ in 0..3 {
             assert!(matches!(
@@ -674,7 +685,9 @@ mod tests {
     #[test]
     fn replies_may_only_be_lowered_and_zero_terminates() {
         let mut o = Origin::new(10, 10);
-        let (c, _) = o.start(sender(), &gid(), &[NodeId(2)], None).unwrap();
+        let (c, _) = o
+            .start(sender(), &Arc::new(gid()), &[NodeId(2)], None)
+            .unwrap();
         o.on_ack(&c, NodeId(2), &[(NodeId(2), 5)], 0, &[]);
         assert_eq!(
             o.set_replies(1, &gid(), 9).unwrap().0,
@@ -703,7 +716,9 @@ mod tests {
             Status::NoComm
         );
 
-        let (c2, _) = o.start(sender(), &gid(), &[NodeId(2)], None).unwrap();
+        let (c2, _) = o
+            .start(sender(), &Arc::new(gid()), &[NodeId(2)], None)
+            .unwrap();
         o.on_ack(&c2, NodeId(2), &[(NodeId(2), 5)], 0, &[]);
         reply(&mut o, &c2, m(2, 1));
         let (n, t) = o.set_replies(1, &gid(), 0).unwrap();
@@ -718,15 +733,19 @@ mod tests {
     #[test]
     fn a_new_send_supersedes() {
         let mut o = Origin::new(10, 10);
-        let (c1, _) = o.start(sender(), &gid(), &[NodeId(2)], None).unwrap();
+        let (c1, _) = o
+            .start(sender(), &Arc::new(gid()), &[NodeId(2)], None)
+            .unwrap();
         o.on_ack(&c1, NodeId(2), &[(NodeId(2), 1)], 0, &[]);
-        let (c2, sup) = o.start(sender(), &gid(), &[NodeId(2)], None).unwrap();
+        let (c2, sup) = o
+            .start(sender(), &Arc::new(gid()), &[NodeId(2)], None)
+            .unwrap();
         assert!(c2.session > c1.session);
         assert_eq!(
             sup.unwrap(),
             Terminated {
                 comm: c1,
-                hosts: vec![NodeId(2)]
+                hosts: vec![NodeId(2)],
             }
         );
         assert_eq!(reply(&mut o, &c1, m(2, 1)).0, Status::NoComm);
@@ -738,7 +757,12 @@ mod tests {
     fn dead_hosts_become_failure_items() {
         let mut o = Origin::new(10, 10);
         let (c, _) = o
-            .start(sender(), &gid(), &[NodeId(2), NodeId(3), NodeId(4)], None)
+            .start(
+                sender(),
+                &Arc::new(gid()),
+                &[NodeId(2), NodeId(3), NodeId(4)],
+                None,
+            )
             .unwrap();
         o.on_ack(&c, NodeId(2), &[(NodeId(2), 2)], 0, &[]);
         o.on_ack(&c, NodeId(3), &[(NodeId(3), 1)], 0, &[]);
@@ -777,7 +801,12 @@ mod tests {
         let mut o = Origin::new(10, 10);
         let g = GroupId::Tx(weft_wire::Tid::new(NodeId(1), Incarnation(1), 5));
         let (c, _) = o
-            .start(sender(), &g, &[NodeId(1)], Some(NodeId(1)))
+            .start(
+                sender(),
+                &Arc::new(g.clone()),
+                &[NodeId(1)],
+                Some(NodeId(1)),
+            )
             .unwrap();
         o.on_ack(
             &c,
@@ -804,10 +833,12 @@ mod tests {
     #[test]
     fn bounded() {
         let mut o = Origin::new(1, 1);
-        let (c, _) = o.start(sender(), &gid(), &[NodeId(2)], None).unwrap();
+        let (c, _) = o
+            .start(sender(), &Arc::new(gid()), &[NodeId(2)], None)
+            .unwrap();
         let other: GroupId = "a:c".parse().unwrap();
         assert_eq!(
-            o.start(sender(), &other, &[NodeId(2)], None)
+            o.start(sender(), &Arc::new(other.clone()), &[NodeId(2)], None)
                 .unwrap_err()
                 .status,
             Status::NoBuffer

@@ -8,12 +8,11 @@
 //! Owns the schedule only. Must never read a clock: `now` comes from the
 //! caller.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use weft_wire::NodeId;
 
-use crate::ids::CommId;
+use crate::ids::{CommId, IdMap};
 use crate::msg::GroupMsg;
 
 /// What a retransmitted message is waiting for.
@@ -44,7 +43,7 @@ struct Entry {
 
 /// The set of messages waiting for an answer.
 pub struct Outbox {
-    entries: HashMap<RetryKey, Entry>,
+    entries: IdMap<RetryKey, Entry>,
     first: Duration,
     max: Duration,
 }
@@ -62,7 +61,7 @@ impl Outbox {
     /// An empty outbox with the first and the largest retransmission delay.
     pub fn new(first: Duration, max: Duration) -> Self {
         Outbox {
-            entries: HashMap::new(),
+            entries: IdMap::default(),
             first,
             max: max.max(first),
         }
