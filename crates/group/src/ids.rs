@@ -4,63 +4,12 @@
 //! Owns their printable forms. Must never do I/O: identifiers are plain
 //! values.
 
-use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::{Deserialize, Serialize};
 use weft_wire::{Incarnation, NodeId};
 
-/// Hashes identifiers made of integers (communication, member, sender,
-/// reply and node ids) with the finalizer of MurmurHash3: every input bit
-/// reaches every output bit, in a few instructions instead of SipHash's
-/// hundred. Only for ids this node allocates or that cluster members send,
-/// never for names a client chooses freely (group ids keep SipHash).
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        x ^ (x >> 33)
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-
-    fn write_u8(&mut self, n: u8) {
-        self.write_u64(u64::from(n));
-    }
-
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(u64::from(n));
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(29) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-
-    fn write_isize(&mut self, n: isize) {
-        self.write_u64(n as u64);
-    }
-}
-
-/// A hash map keyed by identifiers (see [`IdHasher`]).
-pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
-
-/// A hash set of identifiers (see [`IdHasher`]).
-pub(crate) type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
+pub(crate) use weft_wire::{IdMap, IdSet};
 
 /// A message tag for selective receives (T-Shoshin's `mtag`). `Tag(0)` is
 /// the tag of untagged sends.

@@ -35,7 +35,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use weft_wire::{Failure, NodeId, Response, Status};
 
-use crate::idhash::IdHashing;
+use weft_wire::IdHashing;
 
 const SHARDS: usize = 16;
 

@@ -29,11 +29,11 @@ use crate::channel::{ChannelKind, IoError};
 use crate::config::TransportConfig;
 use crate::detector::{Detector, Verdict};
 use crate::handshake::Side;
-use crate::idhash::IdHashing;
 use crate::inproc::{self, InprocHub, Lookup};
 use crate::link::{Link, PeerRef};
 use crate::naming::{admission, NamingMsg, NodeInfo};
 use crate::tcp;
+use weft_wire::IdHashing;
 
 /// Handles requests addressed to this node (the RPC layer implements it).
 pub trait RequestHandler: Send + Sync + 'static {

@@ -15,7 +15,6 @@ mod calls;
 mod detector;
 mod endpoint;
 mod handshake;
-mod idhash;
 mod inproc;
 mod link;
 mod tcp;

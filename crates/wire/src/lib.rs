@@ -9,6 +9,7 @@ pub mod auth;
 pub mod codec;
 pub mod frame;
 mod heads;
+pub mod idhash;
 pub mod ids;
 pub mod payload;
 pub mod status;
@@ -22,6 +23,7 @@ pub use frame::{
     Auth, Fragment, Frame, FrameKind, Goodbye, Heartbeat, Hello, Message, PeerRole, Port, Refused,
     Request, Response,
 };
+pub use idhash::{IdHasher, IdHashing, IdMap, IdSet};
 pub use ids::{
     Address, GroupId, Incarnation, NodeId, ParseIdError, ServiceName, SubPath, Tid, Xid,
 };
