@@ -893,4 +893,24 @@ mod tests {
         h.tick(t0 + s * 4, s);
         assert_eq!(h.comms_len(), 0);
     }
+
+    /// The sender's node tells nothing to a node whose members all
+    /// replied: such a communication is settled here without a Terminate,
+    /// is never probed, and is forgotten after two idle intervals.
+    #[test]
+    fn fully_answered_settles_without_terminate() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut h = Host::new(NodeId(2), 4, 10, 10);
+        let a = h.add_member().unwrap();
+        h.join(a, &g()).unwrap();
+        h.deliver(comm(1), Arc::new(g()), Tag(0), bytes(1), false, t0);
+        assert!(h.receive(a, None, None).unwrap().is_some());
+        h.begin_reply(a, &comm(1), 77).unwrap();
+        assert_eq!(h.reply_done(77, Status::Ok), Some((comm(1), a)));
+        assert!(h.tick(t0 + s, s).is_empty(), "no probe for a settled one");
+        assert_eq!(h.comms_len(), 1, "remembered against late duplicates");
+        assert!(h.tick(t0 + s * 2, s).is_empty());
+        assert_eq!(h.comms_len(), 0, "forgotten after two idle intervals");
+    }
 }
