@@ -736,6 +736,14 @@ mod tests {
         "a:b".parse().unwrap()
     }
 
+    /// A host at node 2 with one member, `a`, in `g()`.
+    fn one_member() -> (Host, u64) {
+        let mut h = Host::new(NodeId(2), 4, 10, 10);
+        let a = h.add_member().unwrap();
+        h.join(a, &g()).unwrap();
+        (h, a)
+    }
+
     fn bytes(b: u8) -> Option<Payload> {
         Some(Payload::bytes(vec![b]))
     }
@@ -848,9 +856,7 @@ mod tests {
     #[test]
     fn late_and_elided_deliveries_count_zero() {
         let now = Instant::now();
-        let mut h = Host::new(NodeId(2), 4, 10, 10);
-        let a = h.add_member().unwrap();
-        h.join(a, &g()).unwrap();
+        let (mut h, _) = one_member();
         assert_eq!(
             h.deliver(comm(5), Arc::new(g()), Tag(0), bytes(1), false, now)
                 .count,
@@ -881,9 +887,7 @@ mod tests {
     fn probes_then_forgets() {
         let t0 = Instant::now();
         let s = Duration::from_secs(1);
-        let mut h = Host::new(NodeId(2), 4, 10, 10);
-        let a = h.add_member().unwrap();
-        h.join(a, &g()).unwrap();
+        let (mut h, a) = one_member();
         h.deliver(comm(1), Arc::new(g()), Tag(0), bytes(1), false, t0);
         assert!(h.tick(t0, s).is_empty());
         assert_eq!(h.tick(t0 + s, s), vec![(NodeId(9), vec![comm(1)])]);
@@ -901,9 +905,7 @@ mod tests {
     fn fully_answered_settles_without_terminate() {
         let t0 = Instant::now();
         let s = Duration::from_secs(1);
-        let mut h = Host::new(NodeId(2), 4, 10, 10);
-        let a = h.add_member().unwrap();
-        h.join(a, &g()).unwrap();
+        let (mut h, a) = one_member();
         h.deliver(comm(1), Arc::new(g()), Tag(0), bytes(1), false, t0);
         assert!(h.receive(a, None, None).unwrap().is_some());
         h.begin_reply(a, &comm(1), 77).unwrap();
