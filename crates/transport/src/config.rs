@@ -56,8 +56,17 @@ pub struct TransportConfig {
     pub hub: Option<Arc<InprocHub>>,
     /// Fault injection applied to every link of this node (tests).
     pub fault: Option<Arc<FaultPlan>>,
-    /// Frame and message size limits.
+    /// Frame and message size limits, and the reassembly timeout.
     pub limits: Limits,
+    /// Bytes that messages in reassembly may hold on this node, all links
+    /// together (each holds the size its first fragment claims). A first
+    /// fragment that does not fit fails its link with NoBuffer. At least
+    /// `limits.max_message`.
+    pub reassembly_budget: usize,
+    /// Accepted connections that may be handshaking at once; more are
+    /// closed as soon as they are accepted (each costs a descriptor, a
+    /// buffer and two tasks until its handshake bound).
+    pub max_handshaking: usize,
     /// How often the failure detector probes each peer.
     pub heartbeat_interval: Duration,
     /// A peer not heard from for this long is declared dead (HostDead).
@@ -93,6 +102,8 @@ impl TransportConfig {
             hub: None,
             fault: None,
             limits: Limits::default(),
+            reassembly_budget: 256 << 20,
+            max_handshaking: 256,
             heartbeat_interval: Duration::from_millis(200),
             dead_after: Duration::from_millis(2000),
             connect_timeout: Duration::from_millis(2000),
@@ -121,8 +132,12 @@ impl TransportConfig {
     ///
     /// Fails with a message naming the first bad setting.
     pub fn validate(&self) -> Result<(), String> {
-        if self.role == PeerRole::Node && self.node.is_client() {
-            return Err("node id 0 is reserved for clients".into());
+        if self.role == PeerRole::Node && !self.node.is_member() {
+            return Err(format!(
+                "node id {} is not a member id: 0 is reserved for clients, {} is reserved",
+                self.node,
+                u32::MAX
+            ));
         }
         if self.limits.max_frame < weft_wire::codec::MIN_MAX_FRAME {
             return Err(format!(
@@ -132,6 +147,15 @@ impl TransportConfig {
         }
         if self.limits.max_message < self.limits.max_frame {
             return Err("max message size must be at least the max frame size".into());
+        }
+        if self.reassembly_budget < self.limits.max_message {
+            return Err("the reassembly budget must hold at least one max-size message".into());
+        }
+        if self.limits.reassembly_timeout.is_zero() {
+            return Err("the reassembly timeout must not be zero".into());
+        }
+        if self.max_handshaking == 0 {
+            return Err("at least one connection must be allowed to handshake".into());
         }
         if self.heartbeat_interval.is_zero() || self.dead_after < self.heartbeat_interval * 2 {
             return Err("dead_after must be at least twice the heartbeat interval".into());

@@ -190,9 +190,18 @@ impl Responder {
             Err(IoError::Encode(e)) => Failure::new(Status::Internal, format!("the answer: {e}")),
             Ok(()) | Err(IoError::Closed) | Err(IoError::Full) => return,
         };
-        let _ = self
+        if let Err(e) = self
             .link
-            .send(Frame::Response(Response::failure(self.call_id, failure)));
+            .send(Frame::Response(Response::failure(self.call_id, failure)))
+        {
+            // Not even the failure fits: the caller is left to its own
+            // timeout, so at least say so here.
+            tracing::warn!(
+                link = self.link.id,
+                call = self.call_id,
+                "cannot answer: {e}"
+            );
+        }
     }
 
     /// Sends a failure response.
@@ -263,6 +272,8 @@ struct Handlers {
 /// Shared state of an endpoint; see [`Endpoint`].
 pub(crate) struct Inner {
     pub(crate) cfg: TransportConfig,
+    /// Memory for fragment reassembly, shared by every link of the node.
+    pub(crate) reassembly: weft_wire::ReassemblyBudget,
     pub(crate) secret: Arc<[u8]>,
     pub(crate) stats: Arc<Stats>,
     hub: Option<Arc<InprocHub>>,
@@ -321,6 +332,7 @@ impl Endpoint {
         };
         let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
+            reassembly: weft_wire::ReassemblyBudget::new(cfg.reassembly_budget),
             secret: cfg.secret.clone().into(),
             detector: Mutex::new(Detector::new(cfg.heartbeat_interval, cfg.dead_after)),
             hub,
@@ -582,6 +594,17 @@ impl Endpoint {
     /// Frame counters.
     pub fn stats(&self) -> StatsSnapshot {
         self.inner.stats.snapshot()
+    }
+
+    /// Bytes messages in reassembly hold now, all links together (bounded
+    /// by [`TransportConfig::reassembly_budget`]).
+    pub fn reassembly_bytes(&self) -> usize {
+        self.inner.reassembly.in_use()
+    }
+
+    /// Links open now (handshaking or established), all channels.
+    pub fn open_links(&self) -> usize {
+        self.inner.links.lock().len()
     }
 
     /// Recent links this node refused or was refused on (wrong secret,
@@ -921,6 +944,33 @@ impl Inner {
 
     // ----- link events -----------------------------------------------------
 
+    /// Whether an authenticated peer's identity claim is admitted (see
+    /// [`handshake::admit`]): checked before its link is trusted.
+    pub(crate) fn admit(
+        &self,
+        claim: &Hello,
+        channel: ChannelKind,
+    ) -> Result<(), (Status, String)> {
+        let live = if claim.role == PeerRole::Node {
+            let peers = self.peers.lock();
+            peers
+                .get(&claim.node)
+                .filter(|e| e.dead.is_none())
+                .and_then(|e| e.incarnation)
+        } else {
+            None
+        };
+        crate::handshake::admit(claim, (self.cfg.node, self.cfg.incarnation), channel, live)
+    }
+
+    /// Fails the links whose fragmented messages are past their deadline.
+    fn check_reassembly(&self, now: Instant) {
+        let links: Vec<Arc<Link>> = self.links.lock().values().cloned().collect();
+        for link in links {
+            link.check_reassembly(now);
+        }
+    }
+
     pub(crate) fn link_up(self: &Arc<Self>, link: &Arc<Link>, peer: PeerRef) {
         tracing::debug!(node = %self.cfg.node, peer = %peer.node, link = link.id,
             channel = %link.kind(), "link up");
@@ -1250,6 +1300,7 @@ impl Inner {
             }
             let now = Instant::now();
             inner.collect_heard(now);
+            inner.check_reassembly(now);
             let verdicts = inner.detector.lock().tick(now);
             for v in verdicts {
                 match v {

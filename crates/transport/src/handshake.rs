@@ -1,11 +1,14 @@
 //! The link handshake as a pure state machine: Hello both ways, then proofs of
 //! the cluster secret (see `docs/wire.md`, "Link handshake").
 //!
-//! Owns the decision to trust a link. Must never let a frame other than Hello,
+//! Owns the decision to trust a link: the proofs, the checks on a Hello and
+//! the rule for identity claims ([`admit`]). Must never let a frame other than Hello,
 //! Auth or Refused through before both proofs are verified, and never do I/O:
 //! it returns the frames to send.
 
-use weft_wire::{auth, Auth, Frame, Hello, NodeId, PeerRole, Refused, Status};
+use weft_wire::{auth, Auth, Frame, Hello, Incarnation, NodeId, PeerRole, Refused, Status};
+
+use crate::channel::ChannelKind;
 
 /// Which end of the link this is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,10 +94,20 @@ impl Handshake {
 
     fn check_hello(&self, h: &Hello) -> Result<(), (Status, String)> {
         match h.role {
-            PeerRole::Node if h.node.is_client() => {
+            PeerRole::Node if !h.node.is_member() => {
                 return Err((
                     Status::ProtocolError,
-                    "a member cannot use node id 0".into(),
+                    format!(
+                        "node id {} is not a member id (1 to {})",
+                        h.node,
+                        u32::MAX - 1
+                    ),
+                ))
+            }
+            PeerRole::Client if !h.node.is_client() => {
+                return Err((
+                    Status::ProtocolError,
+                    format!("a client must present node id 0, not {}", h.node),
                 ))
             }
             PeerRole::Client if !(self.side == Side::Acceptor && self.accept_clients) => {
@@ -105,7 +118,21 @@ impl Handshake {
         if (h.max_frame as usize) < weft_wire::codec::MIN_MAX_FRAME {
             return Err((
                 Status::ProtocolError,
-                format!("max frame {} is too small", h.max_frame),
+                format!(
+                    "max_frame {} is below the minimum of {} bytes",
+                    h.max_frame,
+                    weft_wire::codec::MIN_MAX_FRAME
+                ),
+            ));
+        }
+        if h.max_message < weft_wire::codec::MIN_MAX_MESSAGE as u64 {
+            return Err((
+                Status::ProtocolError,
+                format!(
+                    "max_message {} is below the minimum of {} bytes (a whole frame, header included)",
+                    h.max_message,
+                    weft_wire::codec::MIN_MAX_MESSAGE
+                ),
             ));
         }
         if let Some(want) = self.expected_peer {
@@ -191,10 +218,57 @@ impl Handshake {
     }
 }
 
+/// Whether an authenticated peer's identity claim may be trusted on this
+/// node (docs/wire.md, "Identity claims"). `own` is this node's id and
+/// incarnation; `live` is the incarnation of the live peer this node knows
+/// under the claimed id, if any.
+///
+/// - A member may not claim this node's own id, except over the in-process
+///   link a node opens to itself (same id, same incarnation).
+/// - A member may not claim an incarnation older than that of the live node
+///   known by that id: it is a stale process (incarnations only grow), and
+///   serving it would let it act as the node that replaced it. The same
+///   incarnation is the same node opening another link (another channel,
+///   a reconnect); a newer one is that node restarted, which replaces the
+///   old incarnation's links.
+///
+/// These checks stop confusion (a stale process, a node configured with a
+/// taken id), not a malicious holder of the cluster secret: whoever knows
+/// the secret can claim a newer incarnation, and the secret is the trust
+/// boundary of a cluster.
+pub(crate) fn admit(
+    claim: &Hello,
+    own: (NodeId, Incarnation),
+    channel: ChannelKind,
+    live: Option<Incarnation>,
+) -> Result<(), (Status, String)> {
+    if claim.role != PeerRole::Node {
+        return Ok(());
+    }
+    if claim.node == own.0 {
+        if channel == ChannelKind::Inproc && claim.incarnation == own.1 {
+            return Ok(()); // this node's link to itself
+        }
+        return Err((
+            Status::Refused,
+            format!("node id {} is this node's own", claim.node),
+        ));
+    }
+    match live {
+        Some(known) if claim.incarnation < known => Err((
+            Status::Refused,
+            format!(
+                "node {} incarnation {} is older than the live incarnation {}: a stale process",
+                claim.node, claim.incarnation.0, known.0
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use weft_wire::Incarnation;
 
     fn hello(node: u32, role: PeerRole, nonce: u8) -> Hello {
         Hello {

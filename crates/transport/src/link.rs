@@ -8,6 +8,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
+use std::time::Instant;
 
 use parking_lot::Mutex;
 use weft_wire::{
@@ -109,7 +110,10 @@ impl Link {
             stats: Arc::clone(&ep.stats),
             state: Mutex::new(State::Handshaking(Box::new(hs))),
             up: OnceLock::new(),
-            reassembler: Mutex::new(Reassembler::new(ep.cfg.limits)),
+            reassembler: Mutex::new(Reassembler::with_budget(
+                ep.cfg.limits,
+                ep.reassembly.clone(),
+            )),
             peer_hint: Mutex::new(expected_peer),
             fault: ep.cfg.fault.clone().map(|f| (f, ep.cfg.node)),
             closed: AtomicBool::new(false),
@@ -192,6 +196,11 @@ impl Link {
         }
     }
 
+    /// True once the handshake completed (and stays true once closed).
+    pub(crate) fn is_up(&self) -> bool {
+        self.up.get().is_some()
+    }
+
     /// True once the link is closed.
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
@@ -271,6 +280,9 @@ impl Link {
         };
         self.phase
             .send_replace(Phase::Closed(cause, reason.to_string()));
+        // Messages half reassembled will never complete: give their memory
+        // back to the node now, not when the last holder of the link drops it.
+        self.reassembler.lock().clear();
         if let Some(io) = self.io.get() {
             io.close();
         }
@@ -316,6 +328,16 @@ impl Link {
         }
     }
 
+    /// Fails the link with TimedOut when a fragmented message has been in
+    /// reassembly longer than the limit (called on every detector tick, so a
+    /// peer that stops sending pieces does not hold memory forever).
+    pub(crate) fn check_reassembly(self: &Arc<Self>, now: Instant) {
+        let late = self.reassembler.lock().check_deadline(now);
+        if let Err(e) = late {
+            self.refuse(e.status(), &format!("incomplete message: {e}"));
+        }
+    }
+
     /// Returns and clears the "a frame arrived" flag.
     pub(crate) fn take_heard(&self) -> bool {
         self.heard.swap(false, Ordering::Relaxed)
@@ -327,7 +349,7 @@ impl Link {
         }
         match frame {
             Frame::Fragment(piece) => {
-                let result = self.reassembler.lock().accept(piece);
+                let result = self.reassembler.lock().accept(piece, Instant::now());
                 match result {
                     Ok(Some(whole)) => self.dispatch(ep, peer, whole),
                     Ok(None) => {}
@@ -338,6 +360,16 @@ impl Link {
             }
             Frame::Request(req) => ep.on_request(self, peer, req),
             Frame::Response(resp) => ep.on_response(self, peer, resp),
+            // Protocol messages (naming, transactions, groups) are the
+            // members' business: a client that sends one is refused, never
+            // obeyed (docs/wire.md, "Client links").
+            Frame::Message(msg) if peer.role == PeerRole::Client => self.refuse(
+                Status::ProtocolError,
+                &format!(
+                    "a client sent a protocol message (port {}): only member links carry them",
+                    msg.port.0
+                ),
+            ),
             Frame::Message(msg) => ep.on_message(peer, msg),
             Frame::Heartbeat(hb) => {
                 if !hb.reply {
@@ -364,21 +396,35 @@ impl Link {
     }
 
     /// Called by the channel (or the reassembler) for bytes that did not
-    /// decode. A request whose head is invalid (an invalid service name, say)
-    /// was consumed whole and names its call: on an established link it is
-    /// answered BadRequest and the link goes on (returns true). Anything else
-    /// means the stream cannot be trusted: the peer is told why and the link
-    /// closes (returns false).
+    /// decode. Before the handshake completes anything malformed is a
+    /// ProtocolError and closes the link. After it, a request whose head is
+    /// invalid (an invalid service name, say) was consumed whole and names
+    /// its call: it is answered BadRequest and the link goes on (returns
+    /// true). Anything else means the stream cannot be trusted: the peer is
+    /// told why and the link closes (returns false).
     pub(crate) fn on_malformed(self: &Arc<Self>, e: &DecodeError, what: &str) -> bool {
+        if !self.is_up() {
+            // The phase is judged before the bytes: before the handshake
+            // completes only Hello, Auth and Refused may arrive, so no
+            // request is answered BadRequest (a frame too large is still
+            // TooLarge).
+            let status = match e.status() {
+                Status::BadRequest => Status::ProtocolError,
+                s => s,
+            };
+            self.refuse(
+                status,
+                &format!("{what} before the handshake completed: {e}"),
+            );
+            return false;
+        }
         if let DecodeError::BadRequest { call_id, reason } = e {
-            if self.peer_ref().is_some() {
-                tracing::warn!(link = self.id, call_id, "bad request: {reason}");
-                let _ = self.send(Frame::Response(Response::failure(
-                    *call_id,
-                    Failure::new(Status::BadRequest, format!("malformed request: {reason}")),
-                )));
-                return true;
-            }
+            tracing::warn!(link = self.id, call_id, "bad request: {reason}");
+            let _ = self.send(Frame::Response(Response::failure(
+                *call_id,
+                Failure::new(Status::BadRequest, format!("malformed request: {reason}")),
+            )));
+            return true;
         }
         self.refuse(e.status(), &format!("{what}: {e}"));
         false
@@ -405,6 +451,19 @@ impl Link {
             Step::Established(h) => Some(h.clone()),
             _ => None,
         });
+        // An authenticated peer's identity claim is checked against what
+        // this node knows before the link is trusted with anything.
+        if let Some(hello) = &established {
+            let admitted = match self.ep.upgrade() {
+                Some(ep) => ep.admit(hello, self.kind),
+                None => Err((Status::ShuttingDown, "node is gone".to_string())),
+            };
+            if let Err((status, reason)) = admitted {
+                tracing::warn!(link = self.id, %status, "identity claim refused: {reason}");
+                self.refuse(status, &reason);
+                return;
+            }
+        }
         let peer = established.and_then(|h| self.become_up(h));
         if let Some(Step::Fail(status, reason)) = steps.iter().find(|s| matches!(s, Step::Fail(..)))
         {

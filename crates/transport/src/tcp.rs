@@ -22,7 +22,10 @@ use parking_lot::Mutex;
 use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
-use weft_wire::{decode_frame, encode_message, Failure, Frame, Limits, NodeId, Status};
+use weft_wire::{
+    decode_frame, encode_frame, encode_message, peek_kind, Failure, Frame, FrameKind, Limits,
+    NodeId, Refused, Status,
+};
 
 use crate::channel::{io_error, ChannelKind, IoError, LinkIo};
 use crate::endpoint::Inner;
@@ -122,6 +125,10 @@ impl TcpIo {
     fn abandon(&self) {
         self.closed.store(true, Ordering::Release);
         self.shut();
+        // A later `close` finds the link closed already and returns early:
+        // the writer task must learn of it here, or it waits forever and
+        // keeps the descriptor open.
+        self.flush.notify_one();
     }
 
     /// The writer's last act once the link is closed: best effort, whatever
@@ -134,7 +141,9 @@ impl TcpIo {
     }
 
     /// Writes what senders queued while the socket was full. Owns the socket
-    /// only while the state says [`Writer::Task`]; a close wakes it.
+    /// only while the state says [`Writer::Task`]. Every close wakes it, and
+    /// it ends once the link is closed: it holds the socket, so a task that
+    /// outlived its link would hold the descriptor forever.
     async fn writer_task(self: Arc<Self>, link: Weak<Link>) {
         loop {
             self.flush.notified().await;
@@ -142,7 +151,12 @@ impl TcpIo {
                 let mut chunk = {
                     let mut st = self.write.lock();
                     if st.writer != Writer::Task {
-                        break; // woken by a close while a sender writes
+                        if self.closed.load(Ordering::Acquire) {
+                            // Closed while idle or while a sender wrote:
+                            // that end shuts the socket; nothing left to do.
+                            return;
+                        }
+                        break;
                     }
                     if self.closed.load(Ordering::Acquire) {
                         let rest = st.buf.split();
@@ -191,13 +205,41 @@ impl TcpIo {
     }
 
     async fn reader_task(self: Arc<Self>, link: Weak<Link>, limits: Limits) {
+        let handshake_limits = limits.handshake();
         let mut buf = BytesMut::with_capacity(READ_CHUNK);
         let mut chunk = vec![0u8; READ_CHUNK];
+        // When the frame at the front of `buf` began to arrive, if one is
+        // incomplete: a peer that starts a frame and stops (slowloris) must
+        // not hold the buffer forever, so a frame gets as long as a
+        // fragmented message does (before the handshake, its bound applies).
+        let mut partial_since: Option<tokio::time::Instant> = None;
         loop {
             if self.closed.load(Ordering::Acquire) {
                 return;
             }
-            let mut ready = match self.stream.readable().await {
+            let readable = self.stream.readable();
+            let ready = match partial_since {
+                Some(since) => {
+                    let until = since + limits.reassembly_timeout;
+                    match tokio::time::timeout_at(until, readable).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            if let Some(l) = link.upgrade() {
+                                l.refuse(
+                                    Status::TimedOut,
+                                    &format!(
+                                        "a frame begun {:?} ago is still incomplete",
+                                        limits.reassembly_timeout
+                                    ),
+                                );
+                            }
+                            return;
+                        }
+                    }
+                }
+                None => readable.await,
+            };
+            let mut ready = match ready {
                 Ok(r) => r,
                 Err(e) => {
                     self.fail(&link, &format!("read failed: {e}"));
@@ -217,12 +259,41 @@ impl TcpIo {
                     }
                     drop(ready);
                     buf.extend_from_slice(&chunk[..n]);
+                    let mut whole = false;
                     loop {
+                        if self.closed.load(Ordering::Acquire) {
+                            return;
+                        }
+                        let Some(l) = link.upgrade() else { return };
+                        // The phase is judged first: before the handshake
+                        // completes, a frame of any kind but Hello, Auth
+                        // and Refused is refused by its header alone, and
+                        // frames may be no larger than a handshake needs.
+                        let up = l.is_up();
+                        if !up {
+                            if let Some(kind) = peek_kind(&buf).filter(|k| {
+                                !matches!(
+                                    k,
+                                    FrameKind::Hello | FrameKind::Auth | FrameKind::Refused
+                                )
+                            }) {
+                                l.refuse(
+                                    Status::ProtocolError,
+                                    &format!("{kind:?} frame before the handshake completed"),
+                                );
+                                return;
+                            }
+                        }
+                        drop(l);
+                        let limits = if up { limits } else { handshake_limits };
                         match decode_frame(&mut buf, &limits) {
-                            Ok(Some(frame)) => match link.upgrade() {
-                                Some(l) => l.on_frame(frame),
-                                None => return,
-                            },
+                            Ok(Some(frame)) => {
+                                whole = true;
+                                match link.upgrade() {
+                                    Some(l) => l.on_frame(frame),
+                                    None => return,
+                                }
+                            }
                             Ok(None) => break,
                             Err(e) => match link.upgrade() {
                                 Some(l) if l.on_malformed(&e, "malformed frame") => {}
@@ -230,6 +301,11 @@ impl TcpIo {
                             },
                         }
                     }
+                    partial_since = match (buf.is_empty(), whole, partial_since) {
+                        (true, _, _) => None,
+                        (false, false, Some(since)) => Some(since),
+                        (false, _, _) => Some(tokio::time::Instant::now()),
+                    };
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => ready.clear_ready(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -322,12 +398,13 @@ impl LinkIo for TcpIo {
                 drop(st);
                 self.finish(rest);
             }
-            Writer::Sender => {} // it sees `closed` when its write returns
-            Writer::Task => {
-                drop(st);
-                self.flush.notify_one(); // wakes it from waiting for room
-            }
+            Writer::Sender => drop(st), // it sees `closed` when its write returns
+            Writer::Task => drop(st),   // it sees `closed` once woken below
         }
+        // Whatever the writer task is doing (waiting for work, or for room in
+        // a full socket) it wakes, sees the link closed and ends; a permit
+        // is stored if it is not waiting yet.
+        self.flush.notify_one();
     }
 
     fn kind(&self) -> ChannelKind {
@@ -365,27 +442,96 @@ pub(crate) async fn listen(ep: &Arc<Inner>, addr: SocketAddr) -> io::Result<Sock
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let weak = Arc::downgrade(ep);
-    ep.spawn(async move {
-        loop {
-            let (stream, _) = match listener.accept().await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!("accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-            };
-            let Some(ep) = weak.upgrade() else { return };
-            if ep.is_crashed() || ep.is_closing() {
-                return;
-            }
-            match attach(&ep, stream, Side::Acceptor, None) {
-                Ok(link) => ep.spawn(link.handshake_deadline(ep.cfg.handshake_timeout)),
-                Err(e) => tracing::warn!("cannot set up an accepted connection: {e}"),
-            }
-        }
-    });
+    ep.spawn(accept_loop(listener, weak));
     Ok(bound)
+}
+
+/// First and largest pause after an accept that failed for want of
+/// resources (descriptors, memory).
+const ACCEPT_BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_secs(1));
+
+/// Accepts connections until the node closes. Survives running out of
+/// descriptors or memory: it logs once per episode and backs off (the
+/// connection waits in the kernel's backlog) instead of spinning or dying.
+/// At most `max_handshaking` accepted connections handshake at once; more
+/// are told Unavailable and closed at once.
+async fn accept_loop(listener: TcpListener, weak: Weak<Inner>) {
+    let handshaking = Arc::new(AtomicUsize::new(0));
+    let mut backoff = ACCEPT_BACKOFF.0;
+    let mut starved = false;
+    loop {
+        let accepted = listener.accept().await;
+        let Some(ep) = weak.upgrade() else { return };
+        if ep.is_crashed() || ep.is_closing() {
+            return;
+        }
+        let stream = match accepted {
+            Ok((s, _)) => {
+                if starved {
+                    tracing::info!(node = %ep.cfg.node, "accepting connections again");
+                    starved = false;
+                }
+                backoff = ACCEPT_BACKOFF.0;
+                s
+            }
+            Err(e) if is_resource_exhaustion(&e) => {
+                if !starved {
+                    tracing::error!(node = %ep.cfg.node,
+                        "accept failed: {e}; backing off until resources free up");
+                    starved = true;
+                }
+                drop(ep);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF.1);
+                continue;
+            }
+            Err(e) => {
+                // The connection went away before it was accepted
+                // (ECONNABORTED and the like): nothing to back off from.
+                tracing::debug!(node = %ep.cfg.node, "accept failed: {e}");
+                continue;
+            }
+        };
+        if handshaking.load(Ordering::Acquire) >= ep.cfg.max_handshaking {
+            turn_away(&stream, ep.cfg.max_handshaking);
+            continue;
+        }
+        match attach(&ep, stream, Side::Acceptor, None) {
+            Ok(link) => {
+                handshaking.fetch_add(1, Ordering::AcqRel);
+                let count = Arc::clone(&handshaking);
+                let timeout = ep.cfg.handshake_timeout;
+                ep.spawn(async move {
+                    link.handshake_deadline(timeout).await;
+                    count.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+            Err(e) => tracing::warn!("cannot set up an accepted connection: {e}"),
+        }
+    }
+}
+
+/// True for the accept errors that mean this process or host is out of
+/// something (descriptors, memory), as opposed to one connection failing.
+fn is_resource_exhaustion(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// Tells a connection over the handshaking bound why it is closed (best
+/// effort, never waits) and drops it.
+fn turn_away(stream: &TcpStream, max: usize) {
+    let mut out = BytesMut::new();
+    let refused = Frame::Refused(Refused {
+        status: Status::Unavailable,
+        reason: format!("{max} connections are already handshaking; try again later"),
+    });
+    if encode_frame(&refused, &mut out).is_ok() {
+        let _ = stream.try_write(&out);
+    }
+    tracing::debug!("turned away a connection: {max} already handshaking");
 }
 
 /// Connects to `addr` and starts the handshake. The returned link may still

@@ -16,6 +16,9 @@
 //! every malformed input and must never panic, whatever the bytes.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use serde::de::DeserializeOwned;
@@ -38,6 +41,16 @@ pub const HEADER_LEN: usize = 12;
 pub const FRAGMENT_OVERHEAD: usize = HEADER_LEN + 32;
 /// Smallest maximum frame size a link may announce.
 pub const MIN_MAX_FRAME: usize = 1024;
+/// Smallest maximum message size a link may announce in its Hello. Like
+/// `max_message` itself it counts a whole encoded frame, header included: a
+/// receiver that accepted less could not be sent even the failure Response
+/// that says its answer was too large.
+pub const MIN_MAX_MESSAGE: usize = MIN_MAX_FRAME;
+/// Largest frame accepted before a link's handshake completes. Hello, Auth
+/// and Refused are all that may arrive then, and they are small; a larger
+/// claim is refused as soon as its header arrives, so an unauthenticated
+/// peer cannot make the receiver buffer a full `max_frame`.
+pub const HANDSHAKE_MAX_FRAME: usize = MIN_MAX_FRAME;
 
 /// Whether frames carry a checksum: what the header's CRC32C field holds and
 /// whether the decoder checks it. Both ends of a link use the same.
@@ -61,8 +74,13 @@ pub struct Limits {
     pub max_frame: usize,
     /// Largest frame accepted after reassembly of fragments.
     pub max_message: usize,
-    /// Most fragmented messages being reassembled at once on one link.
+    /// Most fragmented messages being reassembled at once on one link. The
+    /// sizes their first pieces claim must also add up to at most
+    /// `max_message`.
     pub max_partial_messages: usize,
+    /// How long a fragmented message may take from its first piece to its
+    /// last; a message still incomplete then fails the link with TimedOut.
+    pub reassembly_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -71,6 +89,18 @@ impl Default for Limits {
             max_frame: 1 << 20,
             max_message: 64 << 20,
             max_partial_messages: 16,
+            reassembly_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Limits {
+    /// The limits that apply before a link's handshake completes: frames of
+    /// at most [`HANDSHAKE_MAX_FRAME`] bytes.
+    pub fn handshake(&self) -> Limits {
+        Limits {
+            max_frame: self.max_frame.min(HANDSHAKE_MAX_FRAME),
+            ..*self
         }
     }
 }
@@ -132,6 +162,25 @@ pub enum DecodeError {
     /// partial messages, a fragment inside a fragment).
     #[error("fragment: {0}")]
     Fragment(String),
+    /// A fragmented message was not complete within the reassembly timeout.
+    #[error("message {message_id} not reassembled within {after:?}")]
+    ReassemblyTimeout {
+        /// The message.
+        message_id: u64,
+        /// The timeout.
+        after: Duration,
+    },
+    /// The node's memory for reassembly (shared by all its links) cannot
+    /// hold the message a first fragment announces.
+    #[error("reassembly memory exhausted: {need} bytes wanted, {available} of {cap} free")]
+    NoBudget {
+        /// Bytes the message claims.
+        need: usize,
+        /// Bytes left in the budget.
+        available: usize,
+        /// The budget.
+        cap: usize,
+    },
     /// A whole, checksummed Request whose head does not decode (an invalid
     /// service name, say), though its call id does: the frame was consumed,
     /// the stream is still in step, and the caller can be answered
@@ -151,6 +200,8 @@ impl DecodeError {
         match self {
             DecodeError::TooLarge { .. } => Status::TooLarge,
             DecodeError::BadRequest { .. } => Status::BadRequest,
+            DecodeError::ReassemblyTimeout { .. } => Status::TimedOut,
+            DecodeError::NoBudget { .. } => Status::NoBuffer,
             _ => Status::ProtocolError,
         }
     }
@@ -439,6 +490,17 @@ pub fn decode_exact(bytes: Bytes, limits: &Limits) -> Result<Frame, DecodeError>
     decode_checked(bytes, Integrity::Checksummed)
 }
 
+/// The kind byte of the frame at the front of `buf`, once its magic and
+/// version have arrived and are valid; `None` before that or when they are
+/// not (decoding then says why). Lets a receiver judge a frame by its kind
+/// before decoding its body (before a handshake completes, say).
+pub fn peek_kind(buf: &[u8]) -> Option<FrameKind> {
+    if buf.len() < 4 || buf[0..2] != MAGIC || buf[2] != VERSION {
+        return None;
+    }
+    FrameKind::from_u8(buf[3])
+}
+
 /// Validates the header at the front of `buf`; returns the body length, or
 /// `None` if fewer than [`HEADER_LEN`] bytes are present.
 fn check_header(buf: &[u8], limits: &Limits) -> Result<Option<usize>, DecodeError> {
@@ -586,24 +648,100 @@ fn decode_body(kind: FrameKind, body: Bytes) -> Result<Frame, DecodeError> {
 struct Partial {
     count: u32,
     next: u32,
+    /// The size of the whole inner frame, from the header in its first piece.
+    claimed: usize,
+    started: Instant,
     bytes: BytesMut,
+}
+
+/// Memory for reassembly shared by every link of a node: each message in
+/// reassembly holds the size its first piece claims until it completes or
+/// fails. Cheap to clone (clones share the budget).
+#[derive(Clone, Debug)]
+pub struct ReassemblyBudget {
+    used: Arc<AtomicUsize>,
+    cap: usize,
+}
+
+impl ReassemblyBudget {
+    /// A budget of `cap` bytes.
+    pub fn new(cap: usize) -> Self {
+        ReassemblyBudget {
+            used: Arc::new(AtomicUsize::new(0)),
+            cap,
+        }
+    }
+
+    /// Bytes held by messages in reassembly now.
+    pub fn in_use(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// The budget's size.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    fn take(&self, n: usize) -> Result<(), DecodeError> {
+        let mut used = self.used.load(Ordering::Acquire);
+        loop {
+            let available = self.cap.saturating_sub(used);
+            if n > available {
+                return Err(DecodeError::NoBudget {
+                    need: n,
+                    available,
+                    cap: self.cap,
+                });
+            }
+            match self.used.compare_exchange_weak(
+                used,
+                used + n,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(now) => used = now,
+            }
+        }
+    }
+
+    fn give_back(&self, n: usize) {
+        let before = self.used.fetch_sub(n, Ordering::AcqRel);
+        debug_assert!(before >= n, "reassembly budget returned more than taken");
+    }
 }
 
 /// Reassembles fragmented frames arriving on one link, in order.
 ///
-/// Bounded: at most `limits.max_partial_messages` frames in reassembly and at
-/// most `limits.max_message` bytes each.
+/// Bounded: at most `limits.max_partial_messages` frames in reassembly, whose
+/// claimed sizes (from the inner frame header the first piece carries) add
+/// up to at most `limits.max_message` and fit the node's
+/// [`ReassemblyBudget`]; each must complete within
+/// `limits.reassembly_timeout` ([`Reassembler::check_deadline`]). A claim
+/// too large is refused on the first piece, before its bytes arrive.
 pub struct Reassembler {
     limits: Limits,
+    budget: ReassemblyBudget,
     partial: HashMap<u64, Partial>,
+    /// Sum of the claimed sizes of `partial`, all taken from `budget`.
+    held: usize,
 }
 
 impl Reassembler {
-    /// An empty reassembler enforcing `limits`.
+    /// An empty reassembler enforcing `limits`, with a budget of its own of
+    /// `limits.max_message` bytes.
     pub fn new(limits: Limits) -> Self {
+        Self::with_budget(limits, ReassemblyBudget::new(limits.max_message))
+    }
+
+    /// An empty reassembler enforcing `limits` that draws on `budget`,
+    /// shared with other links.
+    pub fn with_budget(limits: Limits, budget: ReassemblyBudget) -> Self {
         Reassembler {
             limits,
+            budget,
             partial: HashMap::new(),
+            held: 0,
         }
     }
 
@@ -612,17 +750,104 @@ impl Reassembler {
         self.partial.len()
     }
 
-    /// Accepts one fragment. Returns the reassembled frame when `fragment` was
-    /// the last piece, `None` while pieces are missing.
-    ///
-    /// Fails with [`DecodeError::Fragment`] for out-of-order or inconsistent
-    /// pieces or too many frames in reassembly, [`DecodeError::TooLarge`] when
-    /// the reassembled size exceeds `max_message`, and any [`DecodeError`] of
-    /// the reassembled frame itself (which may not be a fragment).
-    pub fn accept(&mut self, fragment: Fragment) -> Result<Option<Frame>, DecodeError> {
+    /// Bytes this link holds in the node's budget (claimed sizes).
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    fn drop_partial(&mut self, id: u64) {
+        if let Some(p) = self.partial.remove(&id) {
+            self.held -= p.claimed;
+            self.budget.give_back(p.claimed);
+        }
+    }
+
+    /// Forgets every message in reassembly and returns their budget (the
+    /// link closed).
+    pub fn clear(&mut self) {
+        self.partial.clear();
+        self.budget.give_back(self.held);
+        self.held = 0;
+    }
+
+    /// Fails with [`DecodeError::ReassemblyTimeout`] (and forgets the
+    /// message) when a message has been in reassembly longer than
+    /// `limits.reassembly_timeout` at `now`.
+    pub fn check_deadline(&mut self, now: Instant) -> Result<(), DecodeError> {
+        let after = self.limits.reassembly_timeout;
+        let late = self
+            .partial
+            .iter()
+            .find(|(_, p)| now.saturating_duration_since(p.started) > after)
+            .map(|(id, _)| *id);
+        match late {
+            Some(message_id) => {
+                self.drop_partial(message_id);
+                Err(DecodeError::ReassemblyTimeout { message_id, after })
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Checks the inner frame header a first piece starts with; returns the
+    /// whole inner frame's size.
+    fn claim(&self, fragment: &Fragment) -> Result<usize, DecodeError> {
         let id = fragment.message_id;
+        if fragment.chunk.len() < HEADER_LEN {
+            return Err(DecodeError::Fragment(format!(
+                "message {id}: a first piece of {} bytes does not hold a frame header",
+                fragment.chunk.len()
+            )));
+        }
+        let whole_limits = Limits {
+            max_frame: self.limits.max_message,
+            ..self.limits
+        };
+        let body = check_header(&fragment.chunk, &whole_limits)?.unwrap_or_default();
+        if fragment.chunk[3] == FrameKind::Fragment as u8 {
+            return Err(DecodeError::Fragment(
+                "a fragment cannot contain a fragment".into(),
+            ));
+        }
+        let claimed = HEADER_LEN + body;
+        if (fragment.count as usize) > claimed || fragment.chunk.len() > claimed {
+            return Err(DecodeError::Fragment(format!(
+                "message {id}: {} pieces cannot make a frame of {claimed} bytes",
+                fragment.count
+            )));
+        }
+        Ok(claimed)
+    }
+
+    /// Accepts one fragment, received at `now`. Returns the reassembled
+    /// frame when `fragment` was the last piece, `None` while pieces are
+    /// missing.
+    ///
+    /// Fails with [`DecodeError::Fragment`] for out-of-order, empty or
+    /// inconsistent pieces or too many frames in reassembly,
+    /// [`DecodeError::TooLarge`] when the size a first piece claims exceeds
+    /// `max_message` or, with the messages already in reassembly, the
+    /// link's share of it, [`DecodeError::NoBudget`] when the node's budget
+    /// cannot hold it, [`DecodeError::ReassemblyTimeout`] for a message past
+    /// its deadline, and any [`DecodeError`] of the reassembled frame itself
+    /// (which may not be a fragment).
+    pub fn accept(
+        &mut self,
+        fragment: Fragment,
+        now: Instant,
+    ) -> Result<Option<Frame>, DecodeError> {
+        self.check_deadline(now)?;
+        let id = fragment.message_id;
+        if fragment.chunk.is_empty() {
+            self.drop_partial(id);
+            return Err(DecodeError::Fragment(format!(
+                "message {id}: empty piece {}",
+                fragment.index
+            )));
+        }
         if fragment.index == 0 {
             if self.partial.contains_key(&id) {
+                self.drop_partial(id);
                 return Err(DecodeError::Fragment(format!("message {id} restarted")));
             }
             if self.partial.len() >= self.limits.max_partial_messages {
@@ -631,11 +856,22 @@ impl Reassembler {
                     self.limits.max_partial_messages
                 )));
             }
+            let claimed = self.claim(&fragment)?;
+            if self.held + claimed > self.limits.max_message {
+                return Err(DecodeError::TooLarge {
+                    len: self.held + claimed,
+                    max: self.limits.max_message,
+                });
+            }
+            self.budget.take(claimed)?;
+            self.held += claimed;
             self.partial.insert(
                 id,
                 Partial {
                     count: fragment.count,
                     next: 0,
+                    claimed,
+                    started: now,
                     bytes: BytesMut::new(),
                 },
             );
@@ -651,27 +887,26 @@ impl Reassembler {
                 "message {id}: got piece {}/{}, expected {}/{}",
                 fragment.index, fragment.count, p.next, p.count
             );
-            self.partial.remove(&id);
+            self.drop_partial(id);
             return Err(DecodeError::Fragment(msg));
         }
         let len = p.bytes.len() + fragment.chunk.len();
-        if len > self.limits.max_message {
-            self.partial.remove(&id);
-            return Err(DecodeError::TooLarge {
-                len,
-                max: self.limits.max_message,
-            });
+        let last = p.next + 1 == p.count;
+        if len > p.claimed || (last && len != p.claimed) {
+            let msg = format!(
+                "message {id}: {len} bytes after piece {}/{}, its header says {}",
+                fragment.index, p.count, p.claimed
+            );
+            self.drop_partial(id);
+            return Err(DecodeError::Fragment(msg));
         }
         p.bytes.extend_from_slice(&fragment.chunk);
         p.next += 1;
-        if p.next < p.count {
+        if !last {
             return Ok(None);
         }
-        let done = self
-            .partial
-            .remove(&id)
-            .map(|p| p.bytes.freeze())
-            .unwrap_or_default();
+        let done = std::mem::take(&mut p.bytes).freeze();
+        self.drop_partial(id);
         let whole_limits = Limits {
             max_frame: self.limits.max_message,
             ..self.limits
@@ -682,5 +917,11 @@ impl Reassembler {
             )),
             frame => Ok(Some(frame)),
         }
+    }
+}
+
+impl Drop for Reassembler {
+    fn drop(&mut self) {
+        self.clear();
     }
 }

@@ -48,6 +48,13 @@ impl NodeId {
     pub fn is_client(self) -> bool {
         self == Self::CLIENT
     }
+
+    /// True for an id a member may use: 1 to `u32::MAX − 1`. 0 is the
+    /// clients' id and `u32::MAX` is reserved (never a node), so that no
+    /// arithmetic bound or sentinel can collide with a real member.
+    pub fn is_member(self) -> bool {
+        self.0 != 0 && self.0 != u32::MAX
+    }
 }
 
 impl fmt::Display for NodeId {

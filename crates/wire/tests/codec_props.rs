@@ -3,6 +3,7 @@
 
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
+use std::time::{Duration, Instant};
 use weft_wire::codec::{HEADER_LEN, MAGIC, VERSION};
 use weft_wire::txctx::MAX_BAGGAGE_ENTRIES;
 use weft_wire::*;
@@ -257,7 +258,7 @@ proptest! {
             match f {
                 Frame::Fragment(piece) => {
                     prop_assert!(result.is_none());
-                    result = re.accept(piece).unwrap();
+                    result = re.accept(piece, Instant::now()).unwrap();
                 }
                 whole => result = Some(whole),
             }
@@ -293,7 +294,7 @@ proptest! {
             match f {
                 Frame::Fragment(piece) => {
                     prop_assert!(result.is_none());
-                    result = re.accept(piece).unwrap();
+                    result = re.accept(piece, Instant::now()).unwrap();
                 }
                 whole => result = Some(whole),
             }
@@ -357,7 +358,7 @@ fn a_message_over_the_receivers_limit_is_refused_at_the_sender() {
         let Frame::Fragment(piece) = f else {
             panic!("a 10 kB message over 4 kB frames must be fragmented")
         };
-        result = re.accept(piece).unwrap();
+        result = re.accept(piece, Instant::now()).unwrap();
     }
     assert_eq!(result, Some(frame));
 }
@@ -480,6 +481,27 @@ fn unknown_version_and_kind_are_named() {
     ));
 }
 
+/// A piece of message `id`; a first piece starts with the header of a
+/// Goodbye frame of `whole` bytes, as a real first piece would.
+fn piece(id: u64, index: u32, count: u32, n: usize, whole: usize) -> Fragment {
+    let mut chunk = vec![0u8; n];
+    if index == 0 && n >= 8 {
+        let head = [
+            &MAGIC[..],
+            &[VERSION, FrameKind::Goodbye as u8],
+            &((whole - HEADER_LEN) as u32).to_le_bytes(),
+        ]
+        .concat();
+        chunk[..8].copy_from_slice(&head);
+    }
+    Fragment {
+        message_id: id,
+        index,
+        count,
+        chunk: Bytes::from(chunk),
+    }
+}
+
 #[test]
 fn inconsistent_fragments_are_errors() {
     let limits = Limits {
@@ -487,32 +509,120 @@ fn inconsistent_fragments_are_errors() {
         max_partial_messages: 1,
         ..Limits::default()
     };
-    let piece = |id, index, count, n| Fragment {
-        message_id: id,
-        index,
-        count,
-        chunk: Bytes::from(vec![0u8; n]),
-    };
+    let now = Instant::now();
     let mut re = Reassembler::new(limits);
     assert!(
-        re.accept(piece(1, 1, 3, 10)).is_err(),
+        re.accept(piece(1, 1, 3, 10, 30), now).is_err(),
         "piece of an unknown message"
     );
-    re.accept(piece(1, 0, 3, 10)).unwrap();
+    re.accept(piece(1, 0, 3, 12, 30), now).unwrap();
     assert!(
-        re.accept(piece(2, 0, 3, 10)).is_err(),
+        re.accept(piece(2, 0, 3, 12, 30), now).is_err(),
         "too many partial messages"
     );
-    assert!(re.accept(piece(1, 2, 3, 10)).is_err(), "out of order");
+    assert!(
+        re.accept(piece(1, 2, 3, 10, 30), now).is_err(),
+        "out of order"
+    );
     assert_eq!(re.in_progress(), 0, "a broken message is dropped");
-    re.accept(piece(3, 0, 3, 60)).unwrap();
+    assert_eq!(re.held(), 0, "and its budget returned");
+    // More bytes than the first piece's header claims.
+    re.accept(piece(3, 0, 3, 40, 90), now).unwrap();
     assert!(matches!(
-        re.accept(piece(3, 1, 3, 60)),
+        re.accept(piece(3, 1, 3, 60, 0), now),
+        Err(DecodeError::Fragment(_))
+    ));
+    // Reassembled bytes that are not a frame (a zero body is no Goodbye).
+    re.accept(piece(4, 0, 2, 12, 22), now).unwrap();
+    assert!(re.accept(piece(4, 1, 2, 10, 0), now).is_err());
+    // A first piece without a frame header, an empty piece.
+    let mut bare = piece(5, 0, 2, 10, 20);
+    bare.chunk = Bytes::from(vec![0u8; 10]);
+    assert!(re.accept(bare, now).is_err());
+    assert!(re.accept(piece(6, 0, 2, 0, 20), now).is_err());
+    assert_eq!(re.held(), 0);
+}
+
+#[test]
+fn an_oversized_claim_is_refused_on_the_first_piece() {
+    let limits = Limits {
+        max_message: 1 << 20,
+        ..Limits::default()
+    };
+    let mut re = Reassembler::new(limits);
+    // A first piece whose inner frame claims ~4 GiB.
+    let mut first = piece(1, 0, 4_000_000, 64, 64);
+    first.chunk = {
+        let mut c = first.chunk.to_vec();
+        c[4..8].copy_from_slice(&(u32::MAX - 100).to_le_bytes());
+        Bytes::from(c)
+    };
+    match re.accept(first, Instant::now()) {
+        Err(DecodeError::TooLarge { len, max }) => {
+            assert_eq!(max, 1 << 20);
+            assert!(len > 1 << 31, "{len}");
+        }
+        other => panic!("expected TooLarge on the first piece, got {other:?}"),
+    }
+    assert_eq!(re.in_progress(), 0);
+    // Claims on one link add up: two half-size messages fit, a third does not.
+    let half = 1 << 19;
+    re.accept(piece(2, 0, 2, 100, half), Instant::now())
+        .unwrap();
+    re.accept(piece(3, 0, 2, 100, half), Instant::now())
+        .unwrap();
+    assert!(matches!(
+        re.accept(piece(4, 0, 2, 100, 100), Instant::now()),
         Err(DecodeError::TooLarge { .. })
     ));
-    // Reassembled bytes that are not a frame.
-    re.accept(piece(4, 0, 2, 10)).unwrap();
-    assert!(re.accept(piece(4, 1, 2, 10)).is_err());
+}
+
+#[test]
+fn links_share_the_nodes_reassembly_budget() {
+    let limits = Limits::default();
+    let budget = ReassemblyBudget::new(1000);
+    let mut a = Reassembler::with_budget(limits, budget.clone());
+    let mut b = Reassembler::with_budget(limits, budget.clone());
+    let now = Instant::now();
+    a.accept(piece(1, 0, 2, 100, 600), now).unwrap();
+    assert_eq!(budget.in_use(), 600);
+    match b.accept(piece(1, 0, 2, 100, 600), now) {
+        Err(e @ DecodeError::NoBudget { .. }) => assert_eq!(e.status(), Status::NoBuffer),
+        other => panic!("expected NoBudget, got {other:?}"),
+    }
+    b.accept(piece(2, 0, 2, 100, 400), now).unwrap();
+    assert_eq!(budget.in_use(), 1000);
+    // A closed link gives its share back, a dropped one too.
+    a.clear();
+    assert_eq!(budget.in_use(), 400);
+    drop(b);
+    assert_eq!(budget.in_use(), 0);
+}
+
+#[test]
+fn a_message_not_complete_in_time_fails_with_timed_out() {
+    let limits = Limits {
+        reassembly_timeout: Duration::from_secs(30),
+        ..Limits::default()
+    };
+    let budget = ReassemblyBudget::new(1 << 20);
+    let mut re = Reassembler::with_budget(limits, budget.clone());
+    let t0 = Instant::now();
+    re.accept(piece(7, 0, 3, 100, 300), t0).unwrap();
+    assert!(re.check_deadline(t0 + Duration::from_secs(30)).is_ok());
+    match re.check_deadline(t0 + Duration::from_secs(31)) {
+        Err(e @ DecodeError::ReassemblyTimeout { message_id: 7, .. }) => {
+            assert_eq!(e.status(), Status::TimedOut)
+        }
+        other => panic!("expected ReassemblyTimeout, got {other:?}"),
+    }
+    assert_eq!(budget.in_use(), 0);
+    // A late piece of a message past its deadline fails too.
+    re.accept(piece(8, 0, 3, 100, 300), t0).unwrap();
+    assert!(matches!(
+        re.accept(piece(8, 1, 3, 100, 0), t0 + Duration::from_secs(40)),
+        Err(DecodeError::ReassemblyTimeout { message_id: 8, .. })
+    ));
 }
 
 #[test]
