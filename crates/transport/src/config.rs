@@ -79,6 +79,14 @@ pub struct TransportConfig {
     pub handshake_timeout: Duration,
     /// First and largest delay between reconnection attempts.
     pub reconnect_backoff: (Duration, Duration),
+    /// Requests received on one link and not yet answered; more are
+    /// answered NoBuffer at once (a peer cannot pile up handler work).
+    pub max_requests_per_link: usize,
+    /// How long a TCP link may have frames waiting for the peer to read
+    /// without any of them being taken; then the link is closed
+    /// (TimedOut): a peer that stops reading must not hold a socket and its
+    /// buffered bytes forever.
+    pub write_stall_timeout: Duration,
     /// Frames queued for a peer while its link is being established; more
     /// gives NoBuffer.
     pub max_queued_frames: usize,
@@ -110,6 +118,8 @@ impl TransportConfig {
             handshake_timeout: Duration::from_secs(10),
             reconnect_backoff: (Duration::from_millis(20), Duration::from_millis(1000)),
             max_queued_frames: 4096,
+            max_requests_per_link: 16384,
+            write_stall_timeout: Duration::from_secs(30),
             host_id: crate::host::host_id(),
             shm: crate::shm::ShmConfig::default(),
         }
@@ -153,6 +163,12 @@ impl TransportConfig {
         }
         if self.limits.reassembly_timeout.is_zero() {
             return Err("the reassembly timeout must not be zero".into());
+        }
+        if self.max_requests_per_link == 0 {
+            return Err("at least one request per link must be allowed".into());
+        }
+        if self.write_stall_timeout.is_zero() {
+            return Err("the write stall timeout must not be zero".into());
         }
         if self.max_handshaking == 0 {
             return Err("at least one connection must be allowed to handshake".into());

@@ -212,6 +212,7 @@ impl Responder {
 
 impl Drop for Responder {
     fn drop(&mut self) {
+        self.link.release_request_slot();
         if !self.done {
             let _ = self.link.send(Frame::Response(Response::failure(
                 self.call_id,
@@ -1141,6 +1142,21 @@ impl Inner {
     }
 
     pub(crate) fn on_request(self: &Arc<Self>, link: &Arc<Link>, peer: PeerRef, req: Request) {
+        // A peer may not pile up requests without bound: each holds a
+        // handler's work and a Responder until answered.
+        if !link.take_request_slot(self.cfg.max_requests_per_link) {
+            let _ = link.send(Frame::Response(Response::failure(
+                req.call_id,
+                Failure::new(
+                    Status::NoBuffer,
+                    format!(
+                        "{} requests of this link are already being served",
+                        self.cfg.max_requests_per_link
+                    ),
+                ),
+            )));
+            return;
+        }
         let responder = Responder {
             link: Arc::clone(link),
             call_id: req.call_id,

@@ -163,7 +163,7 @@ impl Handshake {
         }
         match frame {
             Frame::Refused(r) => {
-                let reason = format!("refused by peer: {}", r.reason);
+                let reason = format!("refused by peer: {}", peer_text(&r.reason));
                 self.fail(r.status, reason, false)
             }
             Frame::Hello(h) => {
@@ -216,6 +216,26 @@ impl Handshake {
             ),
         }
     }
+}
+
+/// Most characters of a peer's free text (a Refused or Goodbye reason) kept
+/// in this node's logs, refusal list and membership events.
+pub(crate) const MAX_PEER_TEXT: usize = 256;
+
+/// A peer's free text made fit to keep: at most [`MAX_PEER_TEXT`]
+/// characters, control characters (newlines, escapes) replaced, so a peer
+/// can neither grow this node's memory through its reasons nor forge log
+/// lines.
+pub(crate) fn peer_text(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(MAX_PEER_TEXT)
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if text.chars().nth(MAX_PEER_TEXT).is_some() {
+        out.push('…');
+    }
+    out
 }
 
 /// Whether an authenticated peer's identity claim may be trusted on this

@@ -6,7 +6,7 @@
 //! lock while handing a frame to the channel or to the endpoint: a channel may
 //! deliver synchronously into the peer, which may answer synchronously.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Instant;
 
@@ -19,7 +19,7 @@ use weft_wire::{
 use crate::channel::{ChannelKind, IoError, LinkIo};
 use crate::endpoint::{Inner, Stats};
 use crate::fault::FaultPlan;
-use crate::handshake::{Handshake, Side, Step};
+use crate::handshake::{peer_text, Handshake, Side, Step};
 
 /// Who is at the other end of an established link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +77,9 @@ pub(crate) struct Link {
     /// a sign of life; the detector collects these flags on each tick, so
     /// the hot path takes no lock and reads no clock).
     heard: AtomicBool,
+    /// Requests received on this link and not yet answered (their
+    /// Responders live), bounded by `max_requests_per_link`.
+    requests: AtomicUsize,
     /// Set when this end decided to fail the link, so that a close triggered
     /// by the peer while we tell it why still reports our reason.
     failing: Mutex<Option<(Status, String)>>,
@@ -118,6 +121,7 @@ impl Link {
             fault: ep.cfg.fault.clone().map(|f| (f, ep.cfg.node)),
             closed: AtomicBool::new(false),
             heard: AtomicBool::new(false),
+            requests: AtomicUsize::new(0),
             failing: Mutex::new(None),
             phase: tokio::sync::watch::channel(Phase::Handshaking).0,
         })
@@ -338,6 +342,26 @@ impl Link {
         }
     }
 
+    /// Counts one more request being served on this link; false (and
+    /// nothing counted) when `max` are already being served.
+    pub(crate) fn take_request_slot(&self, max: usize) -> bool {
+        self.requests
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// A request of this link was answered (or dropped).
+    pub(crate) fn release_request_slot(&self) {
+        let before = self.requests.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(
+            before > 0,
+            "link {}: more requests answered than taken",
+            self.id
+        );
+    }
+
     /// Returns and clears the "a frame arrived" flag.
     pub(crate) fn take_heard(&self) -> bool {
         self.heard.swap(false, Ordering::Relaxed)
@@ -380,11 +404,12 @@ impl Link {
                 }
             }
             Frame::Goodbye(g) => {
-                ep.on_goodbye(peer, &g.reason);
-                self.close(Status::ShuttingDown, &format!("peer left: {}", g.reason));
+                let reason = peer_text(&g.reason);
+                ep.on_goodbye(peer, &reason);
+                self.close(Status::ShuttingDown, &format!("peer left: {reason}"));
             }
             Frame::Refused(r) => {
-                let reason = format!("closed by peer: {}", r.reason);
+                let reason = format!("closed by peer: {}", peer_text(&r.reason));
                 tracing::warn!(link = self.id, peer = %peer.node, status = %r.status, "{reason}");
                 self.close(r.status, &reason);
             }

@@ -64,11 +64,19 @@ pub(crate) struct TcpIo {
     peer_max_message: AtomicUsize,
     next_message_id: AtomicU64,
     closed: AtomicBool,
+    /// Longest wait for room in a full socket; see
+    /// [`crate::TransportConfig::write_stall_timeout`].
+    stall: Duration,
     desc: String,
 }
 
 impl TcpIo {
-    fn new(stream: TcpStream, limits: &Limits, desc: String) -> io::Result<Arc<TcpIo>> {
+    fn new(
+        stream: TcpStream,
+        limits: &Limits,
+        stall: Duration,
+        desc: String,
+    ) -> io::Result<Arc<TcpIo>> {
         let std = stream.into_std()?;
         std.set_nonblocking(true)?;
         // SAFETY: the AsyncFd owns the TcpStream, which owns its descriptor:
@@ -87,6 +95,7 @@ impl TcpIo {
             peer_max_message: AtomicUsize::new(limits.max_message),
             next_message_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
+            stall,
             desc,
         }))
     }
@@ -175,13 +184,29 @@ impl TcpIo {
                     Ok(false) => {
                         Self::requeue(&mut self.write.lock(), chunk);
                         tokio::select! {
-                            // The kernel buffer was full: wait for room.
-                            ready = self.stream.writable() => match ready {
-                                Ok(mut ready) => ready.clear_ready(),
-                                Err(_) => {
-                                    self.abandon();
-                                    self.fail(&link, "socket not writable");
-                                    return;
+                            // The kernel buffer was full: wait for room, but
+                            // not forever for a peer that stopped reading.
+                            ready = tokio::time::timeout(self.stall, self.stream.writable()) => {
+                                match ready {
+                                    Ok(Ok(mut ready)) => ready.clear_ready(),
+                                    Ok(Err(_)) => {
+                                        self.abandon();
+                                        self.fail(&link, "socket not writable");
+                                        return;
+                                    }
+                                    Err(_) => {
+                                        self.abandon();
+                                        if let Some(link) = link.upgrade() {
+                                            link.close(
+                                                Status::TimedOut,
+                                                &format!(
+                                                    "the peer read nothing for {:?}",
+                                                    self.stall
+                                                ),
+                                            );
+                                        }
+                                        return;
+                                    }
                                 }
                             },
                             // The link closed: stop waiting for a slow peer.
@@ -428,7 +453,7 @@ fn attach(
         (Ok(l), Ok(p)) => format!("tcp {l} -> {p}"),
         _ => "tcp".to_string(),
     };
-    let io = TcpIo::new(stream, &ep.cfg.limits, desc)?;
+    let io = TcpIo::new(stream, &ep.cfg.limits, ep.cfg.write_stall_timeout, desc)?;
     let link = Link::new(ep, side, ChannelKind::Tcp, expected);
     link.attach(io.clone());
     ep.register_link(&link);

@@ -24,12 +24,16 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const SECRET: &[u8] = b"adversary";
 
-/// Answers `echo` with its payload.
+/// Requests of the `hold` service, kept unanswered until a test lets go.
+static HELD: std::sync::Mutex<Vec<Responder>> = std::sync::Mutex::new(Vec::new());
+
+/// Answers `echo` with its payload; keeps `hold` requests in [`HELD`].
 struct Echo;
 
 impl RequestHandler for Echo {
     fn handle(&self, _from: PeerRef, req: Request, responder: Responder) {
         match req.service.as_str() {
+            "hold" => HELD.lock().unwrap().push(responder),
             "echo" => responder.respond(Response {
                 call_id: 0,
                 status: Status::Ok,
@@ -567,4 +571,88 @@ async fn reassembly_is_bounded_per_link_per_node_and_in_time() {
     raw.refused(Status::TimedOut, "slowloris").await;
 
     still_serves(&a, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_cannot_pile_up_unanswered_requests() {
+    let _serial = SERIAL.lock().await;
+    let a = start(TransportConfig {
+        max_requests_per_link: 4,
+        ..cfg(1)
+    })
+    .await;
+    let (mut raw, _) = Raw::handshake(&a, hello(0, 1, PeerRole::Client), SECRET).await;
+    for id in 1..=5 {
+        raw.send(&Frame::Request(request("hold", 1, id, Payload::empty())))
+            .await;
+    }
+    // The fifth is answered at once; the four before it wait.
+    match raw.next().await {
+        Some(Frame::Response(r)) => {
+            assert_eq!((r.call_id, r.status), (5, Status::NoBuffer), "{r:?}")
+        }
+        other => panic!("expected NoBuffer for call 5, got {other:?}"),
+    }
+    let held: Vec<Responder> = std::mem::take(&mut *HELD.lock().unwrap());
+    assert_eq!(held.len(), 4);
+    drop(held); // answered Internal: dropped without an answer
+    for _ in 0..4 {
+        assert!(
+            matches!(raw.next().await, Some(Frame::Response(r)) if r.status == Status::Internal)
+        );
+    }
+    // Slots free again: the link serves.
+    raw.echo(1, 6).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_reading_loses_its_link() {
+    let _serial = SERIAL.lock().await;
+    let a = start(TransportConfig {
+        write_stall_timeout: Duration::from_secs(1),
+        ..cfg(1)
+    })
+    .await;
+    let baseline = a.open_links();
+    let (mut raw, _) = Raw::handshake(&a, hello(0, 1, PeerRole::Client), SECRET).await;
+    raw.echo(1, 1).await;
+    // 32 MiB of echoes whose answers it never reads: more than the kernel
+    // buffers of both ends hold.
+    for id in 2..130 {
+        raw.send(&Frame::Request(request(
+            "echo",
+            1,
+            id,
+            Payload::bytes(vec![9u8; 256 << 10]),
+        )))
+        .await;
+    }
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() == baseline,
+    )
+    .await;
+    drop(raw);
+    still_serves(&a, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_reasons_are_kept_short_and_on_one_line() {
+    let _serial = SERIAL.lock().await;
+    let a = start(cfg(1)).await;
+    let (mut raw, _) = Raw::handshake(&a, hello(9, 1, PeerRole::Node), SECRET).await;
+    raw.send(&Frame::Refused(Refused {
+        status: Status::ProtocolError,
+        reason: "forged\nlog line ".repeat(20_000),
+    }))
+    .await;
+    assert!(raw.next().await.is_none(), "closed");
+    eventually(
+        || format!("{:?}", a.refusals().len()),
+        || !a.refusals().is_empty(),
+    )
+    .await;
+    let kept = a.refusals().pop().unwrap();
+    assert!(kept.len() < 1024, "{} bytes kept", kept.len());
+    assert!(!kept.contains('\n'), "{kept}");
 }
