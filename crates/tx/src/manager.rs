@@ -868,13 +868,21 @@ impl TmInner {
 
     /// What `commit` answers for a transaction no longer in the table: the
     /// remembered outcome with its cause, exactly as while it was there.
+    ///
+    /// The tombstones' lock is released before `unknown` takes it again
+    /// (parking_lot's mutex is not reentrant: a guard kept alive across the
+    /// match froze the node).
     fn ended_result(&self, tid: Tid) -> Result<(), Failure> {
-        match self.tombstones.lock().map.get(&tid) {
-            Some(Ended {
-                outcome: Some(o),
-                cause,
-            }) => outcome_result(tid, *o, cause.as_ref().map(|(s, r)| (*s, &**r))),
-            _ => Err(self.unknown(tid)),
+        let ended = {
+            let tombstones = self.tombstones.lock();
+            tombstones
+                .map
+                .get(&tid)
+                .and_then(|e| e.outcome.map(|o| (o, e.cause.clone())))
+        };
+        match ended {
+            Some((o, cause)) => outcome_result(tid, o, cause.as_ref().map(|(s, r)| (*s, &**r))),
+            None => Err(self.unknown(tid)),
         }
     }
 
@@ -1795,6 +1803,15 @@ mod tests {
         hub: &Arc<InprocHub>,
         dir: &std::path::Path,
     ) -> (Endpoint, Option<TxManager>) {
+        node_with(id, hub, dir, TmConfig::default()).await
+    }
+
+    async fn node_with(
+        id: u32,
+        hub: &Arc<InprocHub>,
+        dir: &std::path::Path,
+        tm_cfg: TmConfig,
+    ) -> (Endpoint, Option<TxManager>) {
         let cfg = TransportConfig {
             hub: Some(hub.clone()),
             ..TransportConfig::node(NodeId(id), Incarnation(1))
@@ -1806,7 +1823,7 @@ mod tests {
         }
         let cfg = LogConfig::new(dir.join(format!("log-{id}"))).preallocate(false);
         let (log, _) = Log::open(cfg).expect("log");
-        let tm = TxManager::start(endpoint.clone(), log, TmConfig::default());
+        let tm = TxManager::start(endpoint.clone(), log, tm_cfg);
         (endpoint, Some(tm))
     }
 
@@ -1863,5 +1880,52 @@ mod tests {
             .peer_dead(NodeId(2), Status::HostDead, None, u64::MAX);
         settle().await;
         assert!(!active(&tm, &newer));
+    }
+
+    /// Runs `commit(tid)` on a thread of its own and waits for its answer
+    /// (generously): a commit that deadlocks inside the manager fails the
+    /// test instead of freezing it.
+    fn commit_answer(tm: &TxManager, tid: Tid) -> Result<(), Failure> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tm = tm.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(futures::executor::block_on(tm.commit(tid)));
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("commit answered (a deadlock in the manager never answers)")
+    }
+
+    #[tokio::test]
+    async fn commit_of_an_unknown_or_forgotten_transaction_answers_no_such_transaction() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let hub = InprocHub::new();
+        let cfg = TmConfig {
+            tombstones: 1,
+            ..TmConfig::default()
+        };
+        let (_e1, tm) = node_with(1, &hub, dir.path(), cfg).await;
+        let tm = tm.expect("node 1 has a transaction manager");
+
+        // A Tid of this node's own incarnation that was never begun.
+        let never = Tid::new(NodeId(1), Incarnation(1), 5);
+        let err = commit_answer(&tm, never).unwrap_err();
+        assert_eq!(err.status, Status::NoSuchTransaction, "{err}");
+
+        // A late commit of a transaction whose outcome was evicted from the
+        // remembered outcomes (one is kept).
+        let first = tm.begin(None).tid;
+        tm.abort(first, "test").await.expect("aborted");
+        let second = tm.begin(None).tid;
+        tm.abort(second, "test").await.expect("aborted");
+        assert_eq!(tm.finished_outcome(first), None, "evicted");
+        let err = commit_answer(&tm, first).unwrap_err();
+        assert_eq!(err.status, Status::NoSuchTransaction, "{err}");
+        // The remembered one still reports its abort.
+        let err = commit_answer(&tm, second).unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "{err}");
+
+        // The node still works.
+        let ctx = tm.begin(None);
+        commit_answer(&tm, ctx.tid).expect("an empty transaction commits");
     }
 }
