@@ -383,6 +383,21 @@ impl Resource for Participant {
         })
     }
 
+    fn held(&self) -> Vec<(Tid, String)> {
+        let mut out: Vec<(Tid, String)> = self
+            .0
+            .store
+            .read()
+            .prepared_tids()
+            .into_iter()
+            .map(|t| (t, "prepared write set".to_string()))
+            .collect();
+        for (tid, keys) in self.0.locks.families_holding() {
+            out.push((tid, format!("locks on {keys} key(s)")));
+        }
+        out
+    }
+
     fn sub_ended(&self, tid: Tid, path: &SubPath, committed: bool) {
         self.0.store.write().sub_ended(tid, path, committed);
         let owner = Xid {

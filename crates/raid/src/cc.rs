@@ -46,9 +46,11 @@ impl Cc {
         deadline: Option<Instant>,
     ) -> Result<(), Failure> {
         let mut bound = self.wait;
+        let now = Instant::now();
         if let Some(d) = deadline {
-            bound = bound.min(d.saturating_duration_since(Instant::now()));
+            bound = bound.min(d.saturating_duration_since(now));
         }
+        let until = now + bound;
         let doomed = |xid: &Xid| {
             self.violations
                 .doomed(xid.tid)
@@ -67,7 +69,21 @@ impl Cc {
                 ),
                 other => Failure::new(Status::LockConflict, format!("{xid}: {other}")),
             })?;
-        self.violations.accessed(xid.tid, item);
+        // A prepared writer of the item that is bound to abort is not used:
+        // the lock waits (within the same bound) for its abort to be
+        // applied, rather than making this transaction doomed too.
+        while let Err(writer) = self.violations.accessed(xid.tid, item) {
+            if !self.violations.await_decided(writer, until).await {
+                return Err(Failure::new(
+                    Status::LockConflict,
+                    format!(
+                        "{xid}: {key:?} holds the prepared writes of {writer}, which must abort; \
+                         its abort was not applied here within {bound:?}",
+                        key = item
+                    ),
+                ));
+            }
+        }
         doomed(xid).map_or(Ok(()), Err)
     }
 
@@ -133,6 +149,18 @@ impl Cc {
         } else {
             self.locks.abort_sub(&owner)
         };
+    }
+
+    /// Every transaction this controller holds something for: its locks and
+    /// its registrations in controlled lock violation, described. For
+    /// listings: the transaction manager reports those it no longer runs.
+    pub fn held(&self) -> Vec<(Tid, String)> {
+        let mut out = self.violations.registrations();
+        for (tid, keys) in self.locks.families_holding() {
+            out.push((tid, format!("cc: locks on {keys} item(s)")));
+        }
+        out.sort_by_key(|(t, _)| *t);
+        out
     }
 
     /// Lock table statistics: (waits, conflicts).
@@ -212,5 +240,65 @@ mod tests {
         assert!(cc.vote_barrier(t2.tid).await.is_err());
         cc.decided(t2.tid, false);
         assert_eq!(cc.violations(), (1, 1));
+    }
+
+    /// Issue 16 item 10: a lock over a prepared writer that is bound to
+    /// abort waits for that abort, then reads the value from before it,
+    /// instead of joining the cascade.
+    #[tokio::test]
+    async fn a_lock_over_a_writer_bound_to_abort_waits_for_the_abort() {
+        let cc = std::sync::Arc::new(Cc::new(Duration::from_secs(60)));
+        let (t1, t2, t3) = (xid(1), xid(2), xid(3));
+        cc.lock(&t1, item(1), LockMode::Exclusive, None)
+            .await
+            .unwrap();
+        cc.prepared(t1.tid);
+        cc.lock(&t2, item(1), LockMode::Exclusive, None)
+            .await
+            .unwrap();
+        cc.prepared(t2.tid);
+        cc.decided(t1.tid, false);
+        let locked = tokio::spawn({
+            let cc = cc.clone();
+            let t3 = t3.clone();
+            async move { cc.lock(&t3, item(1), LockMode::Exclusive, None).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!locked.is_finished(), "T3 waits for T2's abort");
+        cc.decided(t2.tid, false);
+        locked
+            .await
+            .unwrap()
+            .expect("granted once T2's abort is applied");
+        assert_eq!(cc.undecided_dependencies(t3.tid), Ok(vec![]));
+        assert_eq!(cc.vote_barrier(t3.tid).await, Ok(()));
+        let held = cc.held();
+        assert_eq!(held.len(), 1, "{held:?}");
+        assert!(held[0].1.contains("locks on 1 item"), "{held:?}");
+        cc.decided(t3.tid, true);
+        assert!(cc.held().is_empty());
+        assert_eq!(cc.violations(), (1, 1), "T2 alone was doomed");
+    }
+
+    #[tokio::test]
+    async fn a_writer_bound_to_abort_whose_abort_does_not_come_is_a_lock_conflict() {
+        let cc = Cc::new(Duration::from_millis(10));
+        let (t1, t2, t3) = (xid(1), xid(2), xid(3));
+        cc.lock(&t1, item(1), LockMode::Exclusive, None)
+            .await
+            .unwrap();
+        cc.prepared(t1.tid);
+        cc.lock(&t2, item(1), LockMode::Exclusive, None)
+            .await
+            .unwrap();
+        cc.prepared(t2.tid);
+        cc.decided(t1.tid, false);
+        let err = cc
+            .lock(&t3, item(1), LockMode::Shared, None)
+            .await
+            .unwrap_err();
+        assert_eq!(err.status, Status::LockConflict, "{err}");
+        assert!(err.detail.contains(&t2.tid.to_string()), "{err}");
+        assert!(cc.violations.doomed(t3.tid).is_none());
     }
 }

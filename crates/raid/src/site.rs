@@ -167,6 +167,11 @@ impl Resource for SiteParticipant {
         })
     }
 
+    fn held(&self) -> Vec<(Tid, String)> {
+        // The store's prepared sets are the KV resource's to list.
+        self.0.cc.held()
+    }
+
     fn sub_ended(&self, tid: Tid, path: &SubPath, committed: bool) {
         self.0.kv_participant.sub_ended(tid, path, committed);
         self.0.cc.sub_ended(tid, path, committed);

@@ -16,7 +16,7 @@
 //! dependent of it may still vote.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -63,18 +63,53 @@ impl Violations {
     /// `tid` locked `item`: when a prepared writer holds it in violation
     /// mode, `tid` depends on the latest such writer (which depends on the
     /// earlier ones itself).
-    pub fn accessed(&self, tid: Tid, item: Item) {
+    ///
+    /// Fails with a writer of the item that is doomed (bound to abort: a
+    /// writer it depends on aborted here): `tid` records no dependency, as
+    /// it would only be doomed too, and must wait until that writer's abort
+    /// is applied here (see [`Violations::await_decided`]), then access
+    /// again. A doomed writer thus attracts no new dependents.
+    pub fn accessed(&self, tid: Tid, item: Item) -> Result<(), Tid> {
         let mut st = self.state.lock();
-        let Some(&writer) = st.writers.get(&item).and_then(|w| w.last()) else {
-            return;
+        let Some(writers) = st.writers.get(&item) else {
+            return Ok(());
+        };
+        if let Some(&doomed) = writers
+            .iter()
+            .find(|w| **w != tid && st.doomed.contains_key(w))
+        {
+            return Err(doomed);
+        }
+        let Some(&writer) = writers.last() else {
+            return Ok(());
         };
         if writer == tid {
-            return;
+            return Ok(());
         }
         if st.deps.entry(tid).or_default().insert(writer) {
             st.dependents.entry(writer).or_default().insert(tid);
             st.granted += 1;
             tracing::trace!(%tid, %writer, ?item, "lock granted in violation mode");
+        }
+        Ok(())
+    }
+
+    /// Waits until `writer` is decided here (no item is in violation mode
+    /// on its account any more), or `until`. True when it was decided.
+    pub async fn await_decided(&self, writer: Tid, until: Instant) -> bool {
+        loop {
+            let notified = self.decided.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !self.state.lock().released.contains_key(&writer) {
+                return true;
+            }
+            if tokio::time::timeout_at(until.into(), notified)
+                .await
+                .is_err()
+            {
+                return !self.state.lock().released.contains_key(&writer);
+            }
         }
     }
 
@@ -112,16 +147,14 @@ impl Violations {
                     }
                 }
             }
-            for d in st.dependents.remove(&tid).unwrap_or_default() {
-                if let Some(set) = st.deps.get_mut(&d) {
+            let dependents = st.dependents.remove(&tid).unwrap_or_default();
+            for d in &dependents {
+                if let Some(set) = st.deps.get_mut(d) {
                     set.remove(&tid);
                 }
-                if !committed {
-                    st.doomed.entry(d).or_insert_with(|| {
-                        format!("it used values written by {tid}, which aborted")
-                    });
-                    st.cascaded += 1;
-                }
+            }
+            if !committed {
+                doom(&mut st, tid, dependents);
             }
             drop_deps(&mut st, tid);
             if st.waiting.contains(&tid) {
@@ -192,10 +225,79 @@ impl Violations {
     }
 
     /// True when nothing is registered (every writer decided, no dependent
-    /// waiting).
+    /// waiting or doomed).
     pub fn is_idle(&self) -> bool {
         let st = self.state.lock();
-        st.writers.is_empty() && st.deps.is_empty() && st.dependents.is_empty()
+        st.writers.is_empty()
+            && st.released.is_empty()
+            && st.deps.is_empty()
+            && st.dependents.is_empty()
+            && st.doomed.is_empty()
+            && st.waiting.is_empty()
+    }
+
+    /// Every transaction something is registered for here, with what: a
+    /// prepared writer's items in violation mode, the writers whose values
+    /// it used, a held vote, the reason it is doomed. For listings: an
+    /// entry whose transaction this node no longer runs is a leak.
+    pub fn registrations(&self) -> Vec<(Tid, String)> {
+        let st = self.state.lock();
+        let mut tids: Vec<Tid> = st
+            .released
+            .keys()
+            .chain(st.deps.keys())
+            .chain(st.doomed.keys())
+            .chain(st.waiting.iter())
+            .copied()
+            .collect();
+        tids.sort();
+        tids.dedup();
+        tids.into_iter()
+            .map(|t| {
+                let mut parts = Vec::new();
+                if let Some(items) = st.released.get(&t) {
+                    parts.push(format!("prepared writer of {} item(s)", items.len()));
+                }
+                if let Some(n) = st.dependents.get(&t).map(HashSet::len).filter(|n| *n > 0) {
+                    parts.push(format!("{n} dependent(s)"));
+                }
+                if let Some(deps) = st.deps.get(&t).filter(|d| !d.is_empty()) {
+                    let mut deps: Vec<String> = deps.iter().map(Tid::to_string).collect();
+                    deps.sort();
+                    parts.push(format!("used writes of {}", deps.join(",")));
+                }
+                if st.waiting.contains(&t) {
+                    parts.push("vote held".to_string());
+                }
+                if let Some(reason) = st.doomed.get(&t) {
+                    parts.push(format!("doomed: {reason}"));
+                }
+                (t, format!("violation: {}", parts.join("; ")))
+            })
+            .collect()
+    }
+}
+
+/// `aborted` aborted here: each of its `dependents` must abort, and so must
+/// whoever used a dependent's writes in turn (a dependent's vote holds only
+/// if the writers it used commit, so it is bound to abort, however long
+/// its own outcome takes to arrive). Counts each transaction doomed once.
+fn doom(st: &mut State, aborted: Tid, dependents: HashSet<Tid>) {
+    let mut next: Vec<(Tid, Tid)> = dependents.into_iter().map(|d| (d, aborted)).collect();
+    while let Some((d, writer)) = next.pop() {
+        if st.doomed.contains_key(&d) {
+            continue;
+        }
+        let reason = if writer == aborted {
+            format!("it used values written by {aborted}, which aborted")
+        } else {
+            format!("it used values written by {writer}, which must abort ({aborted} aborted)")
+        };
+        st.doomed.insert(d, reason);
+        st.cascaded += 1;
+        if let Some(ds) = st.dependents.get(&d) {
+            next.extend(ds.iter().map(|x| (*x, d)));
+        }
     }
 }
 
@@ -233,7 +335,7 @@ mod tests {
     async fn a_dependent_votes_only_after_its_writer_committed() {
         let v = Arc::new(Violations::new());
         v.prepared(tid(1), vec![branch()]);
-        v.accessed(tid(2), branch());
+        v.accessed(tid(2), branch()).unwrap();
         assert_eq!(v.undecided(tid(2)), Ok(vec![tid(1)]));
         let held = tokio::spawn({
             let v = v.clone();
@@ -252,9 +354,9 @@ mod tests {
     async fn a_writer_abort_dooms_its_dependents_and_theirs() {
         let v = Violations::new();
         v.prepared(tid(1), vec![branch()]);
-        v.accessed(tid(2), branch());
+        v.accessed(tid(2), branch()).unwrap();
         v.prepared(tid(2), vec![branch()]);
-        v.accessed(tid(3), branch());
+        v.accessed(tid(3), branch()).unwrap();
         v.decided(tid(1), false);
         assert!(v.doomed(tid(2)).unwrap().contains("aborted"));
         assert!(v.undecided(tid(2)).is_err(), "no early vote for the doomed");
@@ -271,11 +373,11 @@ mod tests {
     #[tokio::test]
     async fn without_prepared_writers_nothing_depends_and_nothing_waits() {
         let v = Violations::new();
-        v.accessed(tid(2), branch());
+        v.accessed(tid(2), branch()).unwrap();
         assert_eq!(v.barrier(tid(2)).await, Ok(()));
         // A writer's own access is no dependency.
         v.prepared(tid(1), vec![branch()]);
-        v.accessed(tid(1), branch());
+        v.accessed(tid(1), branch()).unwrap();
         assert_eq!(v.barrier(tid(1)).await, Ok(()));
         v.decided(tid(1), true);
         assert!(v.is_idle());
@@ -285,7 +387,7 @@ mod tests {
     async fn a_held_vote_ends_when_its_own_transaction_ends() {
         let v = Arc::new(Violations::new());
         v.prepared(tid(1), vec![branch()]);
-        v.accessed(tid(2), branch());
+        v.accessed(tid(2), branch()).unwrap();
         let held = tokio::spawn({
             let v = v.clone();
             async move { v.barrier(tid(2)).await }
@@ -295,5 +397,80 @@ mod tests {
         assert!(held.await.unwrap().is_err());
         v.decided(tid(1), true);
         assert!(v.is_idle());
+    }
+
+    /// Issue 16 item 10: once a prepared writer is bound to abort (a
+    /// writer it used aborted), whoever locks its items waits for its
+    /// abort instead of using its writes and being doomed in turn.
+    #[tokio::test]
+    async fn a_writer_bound_to_abort_attracts_no_dependents() {
+        let v = Arc::new(Violations::new());
+        v.prepared(tid(1), vec![branch()]);
+        v.accessed(tid(2), branch()).unwrap();
+        v.prepared(tid(2), vec![branch()]);
+        v.decided(tid(1), false);
+        assert!(v.doomed(tid(2)).is_some());
+        assert_eq!(v.accessed(tid(3), branch()), Err(tid(2)), "it must wait");
+        assert_eq!(v.undecided(tid(3)), Ok(vec![]), "no dependency recorded");
+        assert!(v.doomed(tid(3)).is_none(), "and not doomed");
+        let until = Instant::now() + Duration::from_secs(60);
+        let waiting = tokio::spawn({
+            let v = v.clone();
+            async move { v.await_decided(tid(2), until).await }
+        });
+        v.decided(tid(2), false);
+        assert!(waiting.await.unwrap(), "the abort ends the wait");
+        assert_eq!(v.accessed(tid(3), branch()), Ok(()));
+        assert_eq!(v.barrier(tid(3)).await, Ok(()), "nothing to wait for");
+        v.decided(tid(3), true);
+        assert!(v.is_idle(), "{:?}", v.registrations());
+        // An undecided writer's wait ends at its bound.
+        v.prepared(tid(4), vec![branch()]);
+        assert!(!v.await_decided(tid(4), Instant::now()).await);
+    }
+
+    #[tokio::test]
+    async fn an_abort_dooms_the_dependents_of_its_dependents_at_once() {
+        let v = Violations::new();
+        v.prepared(tid(1), vec![branch()]);
+        v.accessed(tid(2), branch()).unwrap();
+        v.prepared(tid(2), vec![branch()]);
+        v.accessed(tid(3), branch()).unwrap();
+        v.prepared(tid(3), vec![branch()]);
+        v.accessed(tid(4), branch()).unwrap();
+        v.decided(tid(1), false);
+        // Each of them is bound to abort: none waits for the one before it
+        // to abort here first.
+        for t in 2..=4 {
+            assert!(v.doomed(tid(t)).is_some(), "{t}");
+        }
+        let reason = v.doomed(tid(4)).unwrap();
+        assert!(reason.contains(&tid(3).to_string()), "{reason}");
+        assert!(reason.contains(&tid(1).to_string()), "{reason}");
+        assert_eq!(v.stats(), (3, 3));
+        for t in 2..=4 {
+            v.decided(tid(t), false);
+        }
+        assert_eq!(v.stats(), (3, 3), "each counted once");
+        assert!(v.is_idle());
+    }
+
+    #[tokio::test]
+    async fn registrations_name_every_transaction_something_is_held_for() {
+        let v = Violations::new();
+        v.prepared(tid(1), vec![branch()]);
+        v.accessed(tid(2), branch()).unwrap();
+        let r = v.registrations();
+        assert_eq!(r.len(), 2, "{r:?}");
+        assert_eq!(r[0].0, tid(1));
+        assert!(r[0].1.contains("prepared writer of 1 item"), "{r:?}");
+        assert!(
+            r[1].1.contains(&format!("used writes of {}", tid(1))),
+            "{r:?}"
+        );
+        v.decided(tid(1), false);
+        assert!(v.registrations()[0].1.contains("doomed"));
+        v.decided(tid(2), false);
+        assert!(v.registrations().is_empty());
     }
 }

@@ -528,7 +528,14 @@ impl TxCore {
         if let Vote::No(reason) = &vote {
             let reason = format!("node {from} voted no: {reason}");
             child.vote = Some(vote);
-            self.abort_here(reason, Some(from), out);
+            // The No voter hears the abort too: a No may stand for a Yes
+            // that cannot count (a VoteAfter naming a transaction that
+            // aborted, a vote its resources refused after the branch
+            // prepared), whose branch is prepared and in doubt. Waiting for
+            // its own inquiry would keep its resources (and whoever used
+            // its writes) a retry period longer; a branch that did abort
+            // ignores the notice.
+            self.abort_here(reason, None, out);
             return;
         }
         child.vote = Some(vote);

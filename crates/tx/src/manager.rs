@@ -328,13 +328,23 @@ impl CallGuard {
 impl Drop for CallGuard {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            let zero = {
+            let (zero, aborted) = {
                 let mut st = slot.state.lock();
                 st.active_calls = st.active_calls.saturating_sub(1);
-                st.active_calls == 0
+                (st.active_calls == 0, st.outcome == Some(Outcome::Aborted))
             };
             if zero {
                 slot.calls_done.notify_waiters();
+            }
+            if aborted {
+                // The transaction aborted here while this call ran: whatever
+                // the call did to the resources after they applied the abort
+                // (a lock granted late, a write) is undone now. The outcome
+                // was set before the resources were first told, so one of
+                // the two tellings follows the call's last effect.
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move { abort_again(&slot).await });
+                }
             }
         }
     }
@@ -708,12 +718,48 @@ impl TxManager {
         self.inner.tombstones.lock().outcome(tid)
     }
 
-    /// Every transaction live at this node, oldest first.
+    /// Every transaction live at this node, oldest first, then the
+    /// orphaned ones (see [`TxManager::orphans`]).
     pub fn list(&self) -> Vec<TxStatus> {
         let slots: Vec<Arc<Slot>> = self.inner.txs.lock().values().cloned().collect();
         let mut v: Vec<TxStatus> = slots.iter().map(|s| self.inner.describe(s)).collect();
         v.sort_by_key(|s| std::cmp::Reverse(s.age_ms));
+        v.extend(self.orphans());
         v
+    }
+
+    /// Transactions that a registered resource still holds something for
+    /// (locks, prepared writes, registrations: see [`Resource::held`]) and
+    /// that this node no longer runs: phase "orphaned", with what each
+    /// resource holds. A resource that outlives its branch this way blocks
+    /// whoever needs what it holds until the node restarts; none should
+    /// ever be listed.
+    pub fn orphans(&self) -> Vec<TxStatus> {
+        let resources = self.inner.resources.read().clone();
+        let mut held: std::collections::BTreeMap<Tid, Vec<String>> = Default::default();
+        for r in &resources {
+            for (tid, what) in r.held() {
+                held.entry(tid)
+                    .or_default()
+                    .push(format!("{}: {what}", r.name()));
+            }
+        }
+        let txs = self.inner.txs.lock();
+        held.into_iter()
+            .filter(|(tid, _)| !txs.contains_key(tid))
+            .map(|(tid, resources)| TxStatus {
+                tid,
+                coordinator: tid.node == self.inner.node
+                    && tid.incarnation == self.inner.incarnation,
+                phase: "orphaned".to_string(),
+                in_doubt: false,
+                parent: None,
+                children: Vec::new(),
+                resources,
+                active_calls: 0,
+                age_ms: 0,
+            })
+            .collect()
     }
 
     /// Counters.
@@ -868,13 +914,21 @@ impl TmInner {
 
     /// What `commit` answers for a transaction no longer in the table: the
     /// remembered outcome with its cause, exactly as while it was there.
+    ///
+    /// The tombstones' lock is released before `unknown` takes it again
+    /// (parking_lot's mutex is not reentrant: a guard kept alive across the
+    /// match froze the node).
     fn ended_result(&self, tid: Tid) -> Result<(), Failure> {
-        match self.tombstones.lock().map.get(&tid) {
-            Some(Ended {
-                outcome: Some(o),
-                cause,
-            }) => outcome_result(tid, *o, cause.as_ref().map(|(s, r)| (*s, &**r))),
-            _ => Err(self.unknown(tid)),
+        let ended = {
+            let tombstones = self.tombstones.lock();
+            tombstones
+                .map
+                .get(&tid)
+                .and_then(|e| e.outcome.map(|o| (o, e.cause.clone())))
+        };
+        match ended {
+            Some((o, cause)) => outcome_result(tid, o, cause.as_ref().map(|(s, r)| (*s, &**r))),
+            None => Err(self.unknown(tid)),
         }
     }
 
@@ -1342,6 +1396,11 @@ impl TmInner {
                 return Vote::No("calls still running at the deadline".into());
             }
         }
+        if slot.state.lock().outcome == Some(Outcome::Aborted) {
+            // Aborted here while calls finished: nothing to prepare (the
+            // calls' leftovers are undone as each ends, see CallGuard).
+            return Vote::No("the transaction aborted here before it prepared".into());
+        }
         let enlisted = resources_of(slot);
         let mut vote = Vote::ReadOnly;
         for (r, class) in enlisted {
@@ -1354,6 +1413,13 @@ impl TmInner {
             if matches!(vote, Vote::No(_)) {
                 break;
             }
+        }
+        if slot.state.lock().outcome == Some(Outcome::Aborted) {
+            // The abort was applied while the resources prepared: what they
+            // registered for the branch since (a prepared write set, items
+            // in violation mode) would outlive it. They hear it again.
+            abort_again(slot).await;
+            return Vote::No("the transaction aborted here while it prepared".into());
         }
         // The coordinator decides from its local vote: it may count only
         // once the resources allow it (participants wait after their force).
@@ -1763,6 +1829,17 @@ async fn vote_barrier(slot: &Slot) -> Result<(), String> {
     Ok(())
 }
 
+/// Tells the two-phase resources of a branch that aborted here the abort
+/// once more (see [`Resource::abort`]: they must undo whatever they hold
+/// for it, and hold nothing for one they do not know).
+async fn abort_again(slot: &Slot) {
+    for (r, class) in resources_of(slot) {
+        if class == ParticipationClass::TwoPhase {
+            r.abort(slot.tid).await;
+        }
+    }
+}
+
 fn resources_of(slot: &Slot) -> Vec<(Arc<dyn Resource>, ParticipationClass)> {
     slot.state
         .lock()
@@ -1795,6 +1872,15 @@ mod tests {
         hub: &Arc<InprocHub>,
         dir: &std::path::Path,
     ) -> (Endpoint, Option<TxManager>) {
+        node_with(id, hub, dir, TmConfig::default()).await
+    }
+
+    async fn node_with(
+        id: u32,
+        hub: &Arc<InprocHub>,
+        dir: &std::path::Path,
+        tm_cfg: TmConfig,
+    ) -> (Endpoint, Option<TxManager>) {
         let cfg = TransportConfig {
             hub: Some(hub.clone()),
             ..TransportConfig::node(NodeId(id), Incarnation(1))
@@ -1806,7 +1892,7 @@ mod tests {
         }
         let cfg = LogConfig::new(dir.join(format!("log-{id}"))).preallocate(false);
         let (log, _) = Log::open(cfg).expect("log");
-        let tm = TxManager::start(endpoint.clone(), log, TmConfig::default());
+        let tm = TxManager::start(endpoint.clone(), log, tm_cfg);
         (endpoint, Some(tm))
     }
 
@@ -1863,5 +1949,199 @@ mod tests {
             .peer_dead(NodeId(2), Status::HostDead, None, u64::MAX);
         settle().await;
         assert!(!active(&tm, &newer));
+    }
+
+    /// Runs `commit(tid)` on a thread of its own and waits for its answer
+    /// (generously): a commit that deadlocks inside the manager fails the
+    /// test instead of freezing it.
+    fn commit_answer(tm: &TxManager, tid: Tid) -> Result<(), Failure> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tm = tm.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(futures::executor::block_on(tm.commit(tid)));
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("commit answered (a deadlock in the manager never answers)")
+    }
+
+    #[tokio::test]
+    async fn commit_of_an_unknown_or_forgotten_transaction_answers_no_such_transaction() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let hub = InprocHub::new();
+        let cfg = TmConfig {
+            tombstones: 1,
+            ..TmConfig::default()
+        };
+        let (_e1, tm) = node_with(1, &hub, dir.path(), cfg).await;
+        let tm = tm.expect("node 1 has a transaction manager");
+
+        // A Tid of this node's own incarnation that was never begun.
+        let never = Tid::new(NodeId(1), Incarnation(1), 5);
+        let err = commit_answer(&tm, never).unwrap_err();
+        assert_eq!(err.status, Status::NoSuchTransaction, "{err}");
+
+        // A late commit of a transaction whose outcome was evicted from the
+        // remembered outcomes (one is kept).
+        let first = tm.begin(None).tid;
+        tm.abort(first, "test").await.expect("aborted");
+        let second = tm.begin(None).tid;
+        tm.abort(second, "test").await.expect("aborted");
+        assert_eq!(tm.finished_outcome(first), None, "evicted");
+        let err = commit_answer(&tm, first).unwrap_err();
+        assert_eq!(err.status, Status::NoSuchTransaction, "{err}");
+        // The remembered one still reports its abort.
+        let err = commit_answer(&tm, second).unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "{err}");
+
+        // The node still works.
+        let ctx = tm.begin(None);
+        commit_answer(&tm, ctx.tid).expect("an empty transaction commits");
+    }
+
+    /// A two-phase resource that holds something for each branch it saw
+    /// (what a lock table or controlled lock violation keeps) until it
+    /// hears the outcome; its prepare may wait on a gate.
+    #[derive(Default)]
+    struct Holding {
+        held: parking_lot::Mutex<std::collections::BTreeSet<Tid>>,
+        gate: Option<(Notify, Notify)>,
+    }
+
+    impl Holding {
+        fn gated() -> Holding {
+            Holding {
+                gate: Some((Notify::new(), Notify::new())),
+                ..Holding::default()
+            }
+        }
+
+        /// What a call does: locks something for `tid`.
+        fn touch(&self, tid: Tid) {
+            self.held.lock().insert(tid);
+        }
+
+        fn holds(&self, tid: Tid) -> bool {
+            self.held.lock().contains(&tid)
+        }
+    }
+
+    impl Resource for Holding {
+        fn name(&self) -> &str {
+            "holding"
+        }
+
+        fn class(&self) -> ParticipationClass {
+            ParticipationClass::TwoPhase
+        }
+
+        fn prepare<'a>(&'a self, tid: Tid, _log: &'a Log) -> futures::future::BoxFuture<'a, Vote> {
+            Box::pin(async move {
+                if let Some((entered, open)) = &self.gate {
+                    entered.notify_one();
+                    open.notified().await;
+                }
+                // Prepared: its writes stay registered until the outcome.
+                self.touch(tid);
+                Vote::Yes { durable: true }
+            })
+        }
+
+        fn commit(&self, tid: Tid) -> futures::future::BoxFuture<'_, ()> {
+            self.held.lock().remove(&tid);
+            Box::pin(async {})
+        }
+
+        fn abort(&self, tid: Tid) -> futures::future::BoxFuture<'_, ()> {
+            self.held.lock().remove(&tid);
+            Box::pin(async {})
+        }
+
+        fn held(&self) -> Vec<(Tid, String)> {
+            self.held
+                .lock()
+                .iter()
+                .map(|t| (*t, "something".to_string()))
+                .collect()
+        }
+    }
+
+    /// Polls `cond` (generously bounded): a spawned follow-up must run.
+    async fn eventually(what: &str, cond: impl Fn() -> bool) {
+        for _ in 0..10_000 {
+            if cond() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("never: {what}");
+    }
+
+    /// Issue 16 item 11: a call still running when its transaction aborted
+    /// here (a lock granted after the abort released everything) must not
+    /// leave what it took behind: the resources hear the abort again when
+    /// it ends, and meanwhile the leftover is listed as orphaned.
+    #[tokio::test]
+    async fn what_a_call_running_at_the_abort_took_is_undone_when_it_ends() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let hub = InprocHub::new();
+        let (e1, tm) = node(1, &hub, dir.path()).await;
+        let tm = tm.expect("node 1 has a transaction manager");
+        let res = Arc::new(Holding::default());
+        tm.register_resource(res.clone());
+        let ctx = tm.begin(None);
+        let from = PeerRef {
+            node: NodeId(1),
+            incarnation: e1.incarnation(),
+            role: PeerRole::Node,
+            link: 0,
+            channel: weft_transport::ChannelKind::Inproc,
+        };
+        let call = tm
+            .on_call_in(
+                &ctx,
+                from,
+                Some((res.clone(), ParticipationClass::TwoPhase)),
+            )
+            .await
+            .expect("joined");
+        tm.abort(ctx.tid, "test").await.expect("aborted");
+        assert!(call.aborted());
+        // The call goes on and takes a lock after the abort was applied.
+        res.touch(ctx.tid);
+        let orphans = tm.list();
+        assert_eq!(orphans.len(), 1, "{orphans:?}");
+        assert_eq!(orphans[0].tid, ctx.tid);
+        assert_eq!(orphans[0].phase, "orphaned");
+        assert_eq!(orphans[0].resources, vec!["holding: something".to_string()]);
+        drop(call);
+        eventually("the leftover is undone", || !res.holds(ctx.tid)).await;
+        assert!(tm.orphans().is_empty());
+    }
+
+    /// Issue 16 item 11: a local prepare that overlapped the abort (the
+    /// abort arrived while the resources prepared) must not leave the
+    /// branch prepared, registered in violation mode, forever.
+    #[tokio::test]
+    async fn a_prepare_overlapping_the_abort_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let hub = InprocHub::new();
+        let (_e1, tm) = node(1, &hub, dir.path()).await;
+        let tm = tm.expect("node 1 has a transaction manager");
+        let res = Arc::new(Holding::gated());
+        tm.register_resource(res.clone());
+        let ctx = tm.begin(None);
+        tm.enlist(ctx.tid, res.clone()).expect("enlisted");
+        let committing = tokio::spawn({
+            let tm = tm.clone();
+            async move { tm.commit(ctx.tid).await }
+        });
+        let (entered, open) = res.gate.as_ref().expect("gated");
+        entered.notified().await;
+        tm.abort(ctx.tid, "test").await.expect("aborted");
+        open.notify_one();
+        let err = committing.await.expect("joined").unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "{err}");
+        eventually("the prepared branch is undone", || !res.holds(ctx.tid)).await;
+        assert!(tm.list().is_empty(), "{:?}", tm.list());
     }
 }

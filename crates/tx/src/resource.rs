@@ -98,7 +98,11 @@ pub trait Resource: Send + Sync + 'static {
     }
 
     /// The transaction aborted (two-phase class): undo the branch. Also
-    /// called for branches that never prepared, and for unknown ones.
+    /// called for branches that never prepared, and for unknown ones, and
+    /// again for the same branch: after a call that was still running when
+    /// the abort was applied ends, or a prepare that overlapped it returns,
+    /// so that nothing those did outlives the branch. Whatever the resource
+    /// still holds for `tid` when this returns is a leak.
     fn abort(&self, _tid: Tid) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
@@ -106,6 +110,14 @@ pub trait Resource: Send + Sync + 'static {
     /// The outcome, for one-phase resources (termination notification).
     fn ended(&self, _tid: Tid, _outcome: Outcome) -> BoxFuture<'_, ()> {
         Box::pin(async {})
+    }
+
+    /// Every transaction this resource holds something for now (locks,
+    /// prepared writes, registrations), each with a short description. For
+    /// listings: [`crate::TxManager::list`] shows those the transaction
+    /// manager no longer runs as orphaned. Default: none.
+    fn held(&self) -> Vec<(Tid, String)> {
+        Vec::new()
     }
 
     /// A sub-transaction of `tid` ended: committed into its parent (its

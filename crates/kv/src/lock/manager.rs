@@ -353,6 +353,12 @@ where
         self.state.lock().table.locks_of(family)
     }
 
+    /// Every family that holds a lock now, with the number of keys it
+    /// holds (in no particular order): for listings of what is held.
+    pub fn families_holding(&self) -> Vec<(O::Family, usize)> {
+        self.state.lock().table.families_holding()
+    }
+
     /// The number of keys with holders or waiters now.
     pub fn len(&self) -> usize {
         self.state.lock().table.len()

@@ -539,6 +539,16 @@ where
         out
     }
 
+    /// Every family that holds a lock now, with the number of keys it
+    /// holds (in no particular order).
+    pub fn families_holding(&self) -> Vec<(O::Family, usize)> {
+        self.families
+            .iter()
+            .filter(|(_, index)| !index.held.is_empty())
+            .map(|(family, index)| (family.clone(), index.held.len()))
+            .collect()
+    }
+
     /// The key that queued request `wait` waits on, or `None` if it is not
     /// queued.
     pub fn waiting_key(&self, wait: WaitId) -> Option<&K> {

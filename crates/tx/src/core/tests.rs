@@ -257,6 +257,40 @@ fn a_no_vote_aborts_everyone_without_forcing_an_abort() {
     assert!(!sim.forces.contains_key(&n(1)), "aborts are never forced");
 }
 
+/// A prepared participant's Yes that the coordinator turned into No (a
+/// VoteAfter naming a transaction that aborted, or a vote its resources
+/// refused after the branch prepared): that participant is in doubt and
+/// hears the abort at once, like every other one, not through its own
+/// inquiry a retry period later.
+#[test]
+fn a_prepared_participant_whose_vote_counted_as_no_hears_the_abort_at_once() {
+    let mut sim = Sim::new(&[(1, 2), (1, 3)], &[(2, DURABLE), (3, DURABLE)]);
+    sim.input(n(1), Input::Commit);
+    while let Some((from, to, msg)) = sim.queue.pop_front() {
+        let msg = match msg {
+            TxMsg::Vote { tid, .. } if from == n(3) => TxMsg::Vote {
+                tid,
+                vote: Vote::No(format!("{tid} used writes of t1.1.1, which aborted")),
+            },
+            other => other,
+        };
+        sim.deliver(from, to, msg);
+        while let Some(node) = sim.pending_force.pop() {
+            sim.input(node, Input::Forced);
+        }
+    }
+    assert_eq!(sim.finished, Some(Outcome::Aborted));
+    // No tick happened: the abort reached both participants as messages.
+    for i in 1..=3 {
+        assert_eq!(
+            sim.phase(i),
+            Phase::Done(Some(Outcome::Aborted)),
+            "node {i}"
+        );
+        assert!(sim.did(i, "abort"), "node {i}");
+    }
+}
+
 #[test]
 fn a_tree_of_processes_votes_per_subtree() {
     // 1 -> 2 -> 4, 1 -> 3; node 4 holds durable state, node 2 none itself.
