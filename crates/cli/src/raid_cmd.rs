@@ -133,14 +133,28 @@ pub async fn audit_cluster(client: &Client) -> anyhow::Result<Audit> {
     Ok(audit)
 }
 
-/// Loads every site through `client`.
+/// Loads every site the gateway knows through `client`, each copy with
+/// the placement naming all of them (the sites every write will go to).
+/// A site that is down fails the load: a placement never leaves out a
+/// copy.
 pub async fn load_cluster(client: &Client, mode: Mode, scale: u32) -> anyhow::Result<u64> {
+    let list = site_infos(client).await?;
+    if let Some(s) = list.iter().find(|s| s.down.is_some()) {
+        return Err(anyhow::Error::new(Failure::new(
+            s.down.unwrap_or(Status::HostDead),
+            format!("site {} is down: every copy must be loaded", s.id),
+        )));
+    }
     let req = LoadRequest {
         sizes: Workload::sizes(mode, scale),
+        sites: list.iter().map(|s| s.id).collect(),
     };
     let mut tuples = 0;
-    for (id, _) in sites(client).await? {
-        let r: LoadReply = client.call(&service(LOAD_SERVICE, id), req, None).await?;
+    for s in &list {
+        let r: LoadReply = client
+            .call(&service(LOAD_SERVICE, s.id), req.clone(), None)
+            .await
+            .with_context(|| format!("loading site {}", s.id))?;
         tuples += r.tuples;
     }
     Ok(tuples)
