@@ -1,10 +1,14 @@
 //! Talking to a running node from the command line: a client link (not a
 //! cluster member) to one node, which relays calls to the others.
 //!
-//! Owns connection options (address, secret) and typed calls. Must never
-//! join the cluster.
+//! Owns connection options (address, secret), typed calls, reconnecting
+//! after the node restarts ([`Redial`]) and the exit code of a failure.
+//! Must never join the cluster, and never lose a failure's status on the
+//! way to the exit code.
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
@@ -73,28 +77,60 @@ pub struct Client {
     ep: Endpoint,
     gateway: NodeId,
     timeout: Duration,
+    /// Set once a call failed because the link itself is gone.
+    broken: AtomicBool,
+}
+
+/// True for a status the client's own endpoint gives when its link to the
+/// node is gone (not a status the node answered with).
+fn link_lost(status: Status) -> bool {
+    matches!(
+        status,
+        Status::ProcDead | Status::HostDead | Status::AddrError | Status::ShuttingDown
+    )
 }
 
 impl Client {
     /// Connects and authenticates.
+    ///
+    /// Fails with the connection's failure (its status decides the exit
+    /// code: ProcDead/HostDead/TimedOut exit 3, WrongSecret 5).
     pub async fn connect(opts: &ClientOpts) -> anyhow::Result<Client> {
-        let addr = resolve(&opts.node)?;
+        Client::dial(opts)
+            .await
+            .map_err(|f| anyhow::Error::new(f).context(format!("cannot connect to {}", opts.node)))
+    }
+
+    /// Connects and authenticates, failing with a status: AddrError when
+    /// the address does not resolve, else the link's.
+    pub async fn dial(opts: &ClientOpts) -> Result<Client, Failure> {
+        let addr =
+            resolve(&opts.node).map_err(|e| Failure::new(Status::AddrError, format!("{e:#}")))?;
         let cfg = TransportConfig {
             secret: opts.secret.as_bytes().to_vec(),
             connect_timeout: opts.timeout.min(Duration::from_secs(5)),
             ..TransportConfig::client(Incarnation(std::process::id()))
         };
-        let ep = Endpoint::connect_client(cfg, addr)
-            .await
-            .map_err(|f| anyhow!("cannot connect to {addr}: {f}"))?;
-        let gateway = ep
-            .gateway()
-            .ok_or_else(|| anyhow!("connected to {addr} but no node answered"))?;
+        let ep = Endpoint::connect_client(cfg, addr).await?;
+        let Some(gateway) = ep.gateway() else {
+            ep.shutdown().await;
+            return Err(Failure::new(
+                Status::ProcDead,
+                format!("connected to {addr} but no node answered"),
+            ));
+        };
         Ok(Client {
             ep,
             gateway,
             timeout: opts.timeout,
+            broken: AtomicBool::new(false),
         })
+    }
+
+    /// True once a call failed because the link to the node is gone: the
+    /// client must connect again.
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Relaxed)
     }
 
     /// The node this client is connected to.
@@ -122,7 +158,12 @@ impl Client {
         let resp = self
             .ep
             .call(addr.node, request, Some(Instant::now() + self.timeout))
-            .await?;
+            .await
+            .inspect_err(|f| {
+                if link_lost(f.status) {
+                    self.broken.store(true, Ordering::Relaxed);
+                }
+            })?;
         if resp.status == Status::Ok {
             Ok(resp.payload)
         } else {
@@ -165,6 +206,112 @@ impl Client {
     pub async fn close(self) {
         self.ep.shutdown().await;
     }
+}
+
+/// First and longest wait between two attempts of a [`Redial`] to connect.
+pub const REDIAL_BACKOFF: (Duration, Duration) =
+    (Duration::from_millis(50), Duration::from_secs(1));
+
+/// A client link to one node that connects again, with backoff, once the
+/// link is gone (the node restarted): calls then resume instead of failing
+/// for good. Calls made while it is down wait for the next attempt and
+/// fail with that attempt's status when it fails, so callers are paced by
+/// the backoff (50 ms doubling to 1 s).
+pub struct Redial {
+    opts: ClientOpts,
+    what: String,
+    state: tokio::sync::Mutex<RedialState>,
+}
+
+struct RedialState {
+    client: Option<Arc<Client>>,
+    backoff: Duration,
+    next_try: Instant,
+}
+
+impl Redial {
+    /// Wraps `client`, connected with `opts`; `what` names the node in
+    /// messages ("site 3").
+    pub fn new(opts: ClientOpts, what: String, client: Option<Client>) -> Redial {
+        Redial {
+            opts,
+            what,
+            state: tokio::sync::Mutex::new(RedialState {
+                client: client.map(Arc::new),
+                backoff: REDIAL_BACKOFF.0,
+                next_try: Instant::now(),
+            }),
+        }
+    }
+
+    /// The live client, connecting again when the link is gone (at most
+    /// one attempt per backoff step).
+    ///
+    /// Fails with the failed attempt's status.
+    async fn client(&self) -> Result<Arc<Client>, Failure> {
+        let mut st = self.state.lock().await;
+        if let Some(c) = &st.client {
+            if !c.is_broken() {
+                return Ok(c.clone());
+            }
+            eprintln!("weft: lost the link to {}; connecting again", self.what);
+            let old = st.client.take().expect("checked");
+            tokio::spawn(async move { old.ep.shutdown().await });
+            st.backoff = REDIAL_BACKOFF.0;
+            st.next_try = Instant::now();
+        }
+        tokio::time::sleep_until(st.next_try.into()).await;
+        match Client::dial(&self.opts).await {
+            Ok(c) => {
+                eprintln!("weft: connected to {} at {}", self.what, self.opts.node);
+                let c = Arc::new(c);
+                st.client = Some(c.clone());
+                st.backoff = REDIAL_BACKOFF.0;
+                Ok(c)
+            }
+            Err(f) => {
+                st.next_try = Instant::now() + st.backoff;
+                st.backoff = (st.backoff * 2).min(REDIAL_BACKOFF.1);
+                Err(Failure::new(
+                    f.status,
+                    format!(
+                        "{} at {} is unreachable: {}",
+                        self.what, self.opts.node, f.detail
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Typed call through the live link (see [`Client::call`]).
+    pub async fn call<Req, Resp>(
+        &self,
+        addr: &Address,
+        req: Req,
+        tx: Option<TxContext>,
+    ) -> Result<Resp, Failure>
+    where
+        Req: Serialize + Send + 'static,
+        Resp: DeserializeOwned + Send + 'static,
+    {
+        self.client().await?.call(addr, req, tx).await
+    }
+
+    /// Closes the link.
+    pub async fn close(&self) {
+        if let Some(c) = self.state.lock().await.client.take() {
+            c.ep.shutdown().await;
+        }
+    }
+}
+
+/// The exit code for an error: that of the first failure status in its
+/// chain, 1 when it carries none.
+pub fn exit_code_of(e: &anyhow::Error) -> i32 {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<Failure>())
+        .map(|f| exit_code(f.status))
+        .unwrap_or(1)
 }
 
 /// The process exit code for a failure status (so scripts can tell them

@@ -14,7 +14,6 @@ mod status_cmd;
 mod tx_cmd;
 
 use clap::{Parser, Subcommand};
-use weft_wire::Failure;
 
 /// weft: a transactional fabric for distributed programs.
 #[derive(Parser, Debug)]
@@ -86,10 +85,7 @@ fn main() {
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));
     if let Err(e) = result {
-        let code = e
-            .downcast_ref::<Failure>()
-            .map(|f| client::exit_code(f.status))
-            .unwrap_or(1);
+        let code = client::exit_code_of(&e);
         eprintln!("weft: {e:#}");
         std::process::exit(code);
     }

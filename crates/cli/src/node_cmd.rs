@@ -8,14 +8,13 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use weft::kv::{Kv, KvConfig};
-use weft::{ChannelSet, Node, NodeBuilder, Seed, TmConfig};
+use weft::{ChannelSet, Node, NodeBuilder, NodeError, Seed, Status, TmConfig};
 use weft_tx::CrashPoint;
 
-use crate::client::{parse_duration, resolve};
+use crate::client::{parse_duration, resolve, Client, ClientOpts};
 
 /// Flags of `weft node`.
 #[derive(clap::Args, Debug, Clone)]
@@ -26,10 +25,16 @@ pub struct NodeArgs {
     /// TCP address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:7000")]
     pub listen: String,
-    /// A member to join; without it this node is the directory of a new
-    /// cluster.
-    #[arg(long)]
-    pub join: Option<String>,
+    /// Members to join through (repeat the flag or separate them with
+    /// commas); the first that answers is used, and they are tried again
+    /// with backoff until one does (see --join-timeout). Without any, this
+    /// node is the directory of a new cluster.
+    #[arg(long, value_delimiter = ',')]
+    pub join: Vec<String>,
+    /// How long to keep trying the --join members before giving up (0: try
+    /// each once).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub join_timeout: Duration,
     /// Where the log, the incarnation and snapshots live (recovered after a
     /// crash); a temporary directory when absent.
     #[arg(long)]
@@ -60,8 +65,82 @@ pub struct NodeArgs {
     pub crash_at: Option<CrashPoint>,
 }
 
+/// First and longest wait between two rounds over the --join members.
+const JOIN_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
+
 impl NodeArgs {
-    /// The node builder these flags describe (plugins not included).
+    /// The first --join member that answers (a client handshake with the
+    /// cluster secret), trying them in order, round after round with
+    /// backoff, for up to --join-timeout. `None` without --join.
+    ///
+    /// Fails with the last member's failure when none answered in time
+    /// (ProcDead/HostDead/TimedOut: exit 3), at once on a wrong secret or
+    /// an address that does not resolve.
+    pub async fn find_seed(&self) -> anyhow::Result<Option<Seed>> {
+        if self.join.is_empty() {
+            return Ok(None);
+        }
+        let give_up = Instant::now() + self.join_timeout;
+        let mut backoff = JOIN_BACKOFF.0;
+        let mut announced = false;
+        loop {
+            let mut last = None;
+            for seed in &self.join {
+                let opts = ClientOpts {
+                    node: seed.clone(),
+                    secret: self.secret.clone(),
+                    timeout: Duration::from_secs(2),
+                };
+                match Client::dial(&opts).await {
+                    Ok(c) => {
+                        c.close().await;
+                        return Ok(Some(Seed::Tcp(resolve(seed)?)));
+                    }
+                    Err(f) if matches!(f.status, Status::AddrError | Status::WrongSecret) => {
+                        return Err(anyhow::Error::new(f).context(format!("cannot join {seed}")));
+                    }
+                    Err(f) => last = Some((seed, f)),
+                }
+            }
+            let (seed, f) = last.expect("at least one seed");
+            if Instant::now() + backoff > give_up {
+                return Err(anyhow::Error::new(f).context(format!(
+                    "no --join member answered within {:?} (last tried {seed})",
+                    self.join_timeout
+                )));
+            }
+            if !announced {
+                eprintln!(
+                    "weft node {}: no --join member answers yet ({seed}: {f}); retrying for up to {:?}",
+                    self.id, self.join_timeout
+                );
+                announced = true;
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(JOIN_BACKOFF.1);
+        }
+    }
+
+    /// Starts the node `b` describes, joining through the first --join
+    /// member that answers.
+    ///
+    /// Fails like [`NodeArgs::find_seed`], or with the step of the start
+    /// that failed (a failed join keeps its status for the exit code).
+    pub async fn start(&self, b: NodeBuilder) -> anyhow::Result<Node> {
+        let b = match self.find_seed().await? {
+            Some(seed) => b.join(seed),
+            None => b,
+        };
+        b.start().await.map_err(|e| match e {
+            NodeError::Join(f) => {
+                anyhow::Error::new(f).context(format!("node {} did not join", self.id))
+            }
+            other => anyhow::Error::new(other).context(format!("node {} did not start", self.id)),
+        })
+    }
+
+    /// The node builder these flags describe (plugins and the join not
+    /// included: [`NodeArgs::start`] adds the join).
     pub fn builder(&self) -> anyhow::Result<NodeBuilder> {
         let listen = resolve(&self.listen)?;
         let mut b = Node::builder(self.id)
@@ -73,9 +152,6 @@ impl NodeArgs {
                 shm: !self.no_shm,
                 tcp: true,
             });
-        if let Some(join) = &self.join {
-            b = b.join(Seed::Tcp(resolve(join)?));
-        }
         if let Some(dir) = &self.data_dir {
             b = b.data_dir(dir);
         }
@@ -100,13 +176,11 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
         lock_wait: args.lock_wait,
         ..KvConfig::default()
     });
-    let node = args
+    let b = args
         .builder()?
         .plugin(Arc::new(kv))
-        .plugin(weft_group::GroupPlugin::new(Default::default()))
-        .start()
-        .await
-        .with_context(|| format!("node {} did not start", args.id))?;
+        .plugin(weft_group::GroupPlugin::new(Default::default()));
+    let node = args.start(b).await?;
     announce(&node);
     wait_for_signal().await;
     eprintln!("weft node {}: shutting down", node.id());

@@ -18,7 +18,7 @@ use weft_raid::{
 };
 use weft_wire::{Address, Failure, Incarnation, NodeId, ServiceName, Status};
 
-use crate::client::{parse_duration, Client, ClientOpts};
+use crate::client::{parse_duration, Client, ClientOpts, Redial};
 use crate::node_cmd::{announce, wait_for_signal, NodeArgs};
 
 /// `weft raid` subcommands.
@@ -123,24 +123,58 @@ async fn sites(client: &Client) -> anyhow::Result<Vec<(NodeId, String)>> {
         .collect())
 }
 
-/// Audits every site through `client`.
+/// Audits every copy through `client`: every Raid site the gateway knows,
+/// and every site a copy's placement names. A copy that cannot be audited
+/// (its site down, unknown, not answering) is named in the audit's
+/// `missing`, which fails it; the others are audited all the same.
+///
+/// Fails only when the gateway cannot list the sites.
 pub async fn audit_cluster(client: &Client) -> anyhow::Result<Audit> {
     let mut audit = Audit::default();
-    for (id, _) in sites(client).await? {
-        let a: SiteAudit = client.call(&service(AUDIT_SERVICE, id), (), None).await?;
-        audit.sites.push((id, a));
+    let mut todo: Vec<NodeId> = site_infos(client).await?.iter().map(|s| s.id).collect();
+    while let Some(id) = todo.pop() {
+        if audit.sites.iter().any(|(n, _)| *n == id) || audit.missing.iter().any(|(n, _)| *n == id)
+        {
+            continue;
+        }
+        match client
+            .call::<_, SiteAudit>(&service(AUDIT_SERVICE, id), (), None)
+            .await
+        {
+            Ok(a) => {
+                todo.extend(a.placement.iter().copied());
+                audit.sites.push((id, a));
+            }
+            Err(f) => audit.missing.push((id, f.to_string())),
+        }
     }
+    audit.sites.sort_by_key(|(n, _)| *n);
+    audit.missing.sort_by_key(|(n, _)| *n);
     Ok(audit)
 }
 
-/// Loads every site through `client`.
+/// Loads every site the gateway knows through `client`, each copy with
+/// the placement naming all of them (the sites every write will go to).
+/// A site that is down fails the load: a placement never leaves out a
+/// copy.
 pub async fn load_cluster(client: &Client, mode: Mode, scale: u32) -> anyhow::Result<u64> {
+    let list = site_infos(client).await?;
+    if let Some(s) = list.iter().find(|s| s.down.is_some()) {
+        return Err(anyhow::Error::new(Failure::new(
+            s.down.unwrap_or(Status::HostDead),
+            format!("site {} is down: every copy must be loaded", s.id),
+        )));
+    }
     let req = LoadRequest {
         sizes: Workload::sizes(mode, scale),
+        sites: list.iter().map(|s| s.id).collect(),
     };
     let mut tuples = 0;
-    for (id, _) in sites(client).await? {
-        let r: LoadReply = client.call(&service(LOAD_SERVICE, id), req, None).await?;
+    for s in &list {
+        let r: LoadReply = client
+            .call(&service(LOAD_SERVICE, s.id), req.clone(), None)
+            .await
+            .with_context(|| format!("loading site {}", s.id))?;
         tuples += r.tuples;
     }
     Ok(tuples)
@@ -223,6 +257,7 @@ pub async fn run_remote(
     let list = site_infos(&gateway).await;
     gateway.close().await;
     let mut runners = Vec::new();
+    let mut links = Vec::new();
     for s in list? {
         // A site that is down runs no clients; the others' transactions
         // still need its copy and end with its status (HostDead, ProcDead).
@@ -230,19 +265,24 @@ pub async fn run_remote(
             eprintln!("weft: site {} is down ({cause}), no clients there", s.id);
             continue;
         }
-        let c = match Client::connect(&ClientOpts {
+        let site_opts = ClientOpts {
             node: s.addr.clone(),
             ..opts.clone()
-        })
-        .await
-        .with_context(|| format!("connecting to site {} at {}", s.id, s.addr))
-        {
-            Ok(c) => Arc::new(c),
-            Err(e) => {
-                eprintln!("weft: no clients at site {}: {e:#}", s.id);
-                continue;
+        };
+        // A link that breaks (the site restarted) connects again: the
+        // clients there resume once the site is back.
+        let first = match Client::dial(&site_opts).await {
+            Ok(c) => Some(c),
+            Err(f) => {
+                eprintln!(
+                    "weft: site {} at {} is unreachable ({f}); its clients will retry",
+                    s.id, s.addr
+                );
+                None
             }
         };
+        let c = Arc::new(Redial::new(site_opts, format!("site {}", s.id), first));
+        links.push(c.clone());
         let ad = service(AD_SERVICE, s.id);
         runners.push(move |req: AdRequest| {
             let c = c.clone();
@@ -258,7 +298,49 @@ pub async fn run_remote(
         mode,
         sizes: Workload::sizes(mode, scale),
     };
-    Ok(run_closed(runners, workload, clients, duration, seed, progress).await)
+    let report = run_closed(runners, workload, clients, duration, seed, progress).await;
+    for l in links {
+        l.close().await;
+    }
+    Ok(report)
+}
+
+/// How often a run without a terminal prints its progress line.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
+/// Shows a run's progress until aborted: a live line on a terminal, else
+/// a line on stderr every [`PROGRESS_EVERY`] (commits so far, and the rate
+/// over the last interval, so a stall shows).
+fn spawn_progress(progress: Arc<AtomicU64>) -> tokio::task::JoinHandle<()> {
+    use std::io::IsTerminal;
+    let start = Instant::now();
+    if std::io::stderr().is_terminal() {
+        let bar = crate::bench::progress("running");
+        return tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let n = progress.load(Ordering::Relaxed);
+                bar.set_message(format!(
+                    "{n} committed, {:.0} tps",
+                    n as f64 / start.elapsed().as_secs_f64()
+                ));
+            }
+        });
+    }
+    tokio::spawn(async move {
+        let (mut t0, mut n0) = (start, 0);
+        loop {
+            tokio::time::sleep(PROGRESS_EVERY).await;
+            let (t, n) = (Instant::now(), progress.load(Ordering::Relaxed));
+            eprintln!(
+                "weft raid run: {:.1} s, {n} committed, {:.0} tps over the last {:.1} s",
+                t.duration_since(start).as_secs_f64(),
+                (n - n0) as f64 / t.duration_since(t0).as_secs_f64(),
+                t.duration_since(t0).as_secs_f64()
+            );
+            (t0, n0) = (t, n);
+        }
+    })
 }
 
 /// Prints a run's results.
@@ -324,6 +406,9 @@ pub fn print_audit(audit: &Audit) -> bool {
             }
         );
     }
+    for (node, why) in &audit.missing {
+        println!("  site {node}: NOT AUDITED ({why})");
+    }
     let problems = audit.problems();
     for p in &problems {
         println!("  problem: {p}");
@@ -344,12 +429,8 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
                 action_timeout,
                 ..SiteConfig::default()
             });
-            let n = node
-                .builder()?
-                .plugin(Arc::new(site))
-                .start()
-                .await
-                .context("the site did not start")?;
+            let b = node.builder()?.plugin(Arc::new(site));
+            let n = node.start(b).await?;
             announce(&n);
             wait_for_signal().await;
             n.shutdown().await;
@@ -379,25 +460,20 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             seed,
             json,
         } => {
+            let c = Client::connect(&client).await?;
+            let n = sites(&c).await?.len();
+            c.close().await;
             let before = site_counters(&client).await?;
             let progress = Arc::new(AtomicU64::new(0));
-            let bar = crate::bench::progress("running");
-            let p2 = progress.clone();
-            let ticker = tokio::spawn(async move {
-                let start = Instant::now();
-                loop {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    let n = p2.load(Ordering::Relaxed);
-                    bar.set_message(format!(
-                        "{n} committed, {:.0} tps",
-                        n as f64 / start.elapsed().as_secs_f64()
-                    ));
-                }
-            });
+            let ticker = spawn_progress(progress.clone());
             let r = run_remote(&client, mode, scale, clients, duration, seed, progress).await?;
             ticker.abort();
-            let after = site_counters(&client).await?;
-            let (msgs, forces) = counters_delta(&before, &after);
+            // The clients' own counts are the report; the sites' counters
+            // only add to it. A gateway down at the end loses those, not
+            // the report.
+            let after = site_counters(&client).await.inspect_err(|e| {
+                eprintln!("weft: the sites' message and force counters could not be fetched: {e:#}")
+            });
             let per = |x: u64| {
                 if r.committed == 0 {
                     0.0
@@ -405,16 +481,26 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
                     x as f64 / r.committed as f64
                 }
             };
+            let (msgs, forces) = match &after {
+                Ok(after) => {
+                    let (m, f) = counters_delta(&before, after);
+                    (Some(per(m)), Some(per(f)))
+                }
+                Err(_) => (None, None),
+            };
             if json {
                 let mut v = serde_json::to_value(&r)?;
-                v["messages_per_txn"] = serde_json::json!(per(msgs));
-                v["forces_per_txn"] = serde_json::json!(per(forces));
+                v["messages_per_txn"] = serde_json::json!(msgs);
+                v["forces_per_txn"] = serde_json::json!(forces);
+                if let Err(e) = &after {
+                    v["not_fetched"] = serde_json::json!({ "site_counters": format!("{e:#}") });
+                }
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
-                let c = Client::connect(&client).await?;
-                let n = sites(&c).await?.len();
-                c.close().await;
-                print_results(&r, n, Some(per(msgs)), Some(per(forces)));
+                print_results(&r, n, msgs, forces);
+                if let Err(e) = &after {
+                    println!("{:<28} {e:#}", "not fetched: site counters");
+                }
             }
             Ok(())
         }
@@ -423,16 +509,26 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             let audit = audit_cluster(&c).await?;
             c.close().await;
             let ok = if json {
-                let by_site: BTreeMap<String, &SiteAudit> = audit
+                // Every site of the placement, with what was audited there
+                // (a copy's sums), or why nothing was.
+                let mut by_site: BTreeMap<String, serde_json::Value> = audit
                     .sites
                     .iter()
-                    .map(|(n, a)| (n.to_string(), a))
-                    .collect();
+                    .map(|(n, a)| Ok((n.to_string(), serde_json::to_value(a)?)))
+                    .collect::<anyhow::Result<_>>()?;
+                for (n, why) in &audit.missing {
+                    by_site.insert(
+                        n.to_string(),
+                        serde_json::json!({ "audited": false, "error": why }),
+                    );
+                }
                 println!(
                     "{}",
                     serde_json::to_string_pretty(&serde_json::json!({
                         "passed": audit.passed(),
                         "problems": audit.problems(),
+                        "replicas": audit.replicas(),
+                        "missing": audit.missing.iter().map(|(n, _)| n).collect::<Vec<_>>(),
                         "sites": by_site,
                     }))?
                 );

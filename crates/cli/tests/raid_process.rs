@@ -48,6 +48,13 @@ impl Site {
         data: &str,
         extra: &[&str],
     ) -> (Site, String) {
+        let site = Site::spawn(id, listen, join, data, extra);
+        let ready = site.wait_line(" listening on ", Duration::from_secs(30));
+        (site, ready)
+    }
+
+    /// Starts `weft raid site` without waiting for its ready line.
+    fn spawn(id: u32, listen: &str, join: Option<&str>, data: &str, extra: &[&str]) -> Site {
         let mut cmd = weft();
         cmd.args(["raid", "site", "--id", &id.to_string(), "--listen", listen])
             .args(["--data-dir", data, "--secret", SECRET])
@@ -71,13 +78,11 @@ impl Site {
                 let _ = tx.send(line);
             }
         });
-        let site = Site {
+        Site {
             child,
             id,
             lines: rx,
-        };
-        let ready = site.wait_line(" listening on ", Duration::from_secs(30));
-        (site, ready)
+        }
     }
 
     /// Waits (bounded) for a stdout line containing `needle`.
@@ -633,4 +638,258 @@ fn a_killed_site_fails_transactions_clearly_and_recovers_with_a_passing_audit() 
         "audit passed on 3 copies, {rows} history rows for {committed} commits ({:.1} s in all)",
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// Site `id`'s status counter `transactions.stats.<key>`, when it answers.
+fn tm_stat(c: &Cluster, id: u32, key: &str) -> Option<u64> {
+    c.status(id)?["transactions"]["stats"][key].as_u64()
+}
+
+/// `weft raid audit --json` through site `at`: exit code and report.
+fn audit(c: &Cluster, at: u32) -> (i32, Value, String) {
+    let (code, out, err) = run(
+        &[
+            "raid",
+            "audit",
+            "--node",
+            c.addr(at),
+            "--secret",
+            SECRET,
+            "--json",
+        ],
+        &[],
+    );
+    let v = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("audit prints JSON ({e}), exit {code}:\n{out}{err}"));
+    (code, v, err)
+}
+
+/// Waits (bounded) for a passing audit through site `at`.
+fn audit_passes(c: &Cluster, at: u32) -> Value {
+    eventually("a passing audit", Duration::from_secs(20), || {
+        let (code, v, _) = audit(c, at);
+        (code == 0 && v["passed"] == true).then_some(v)
+    })
+}
+
+/// Issue 16, items 12-14: clients keep running across a site's restart
+/// (the run reconnects to it), an audit with a site down audits the live
+/// copies and fails naming the missing one, a run whose `--node` site dies
+/// still reports, a refused connection exits 3, and after a whole-cluster
+/// crash the sites may be started in any order (the joiners wait for a
+/// `--join` member to answer).
+#[test]
+fn clients_ride_out_restarts_and_audits_name_every_copy() {
+    let t0 = Instant::now();
+    let seed = 0x5eed_0016u64;
+    println!("seed {seed:#x}");
+    let mut c = Cluster::start();
+    let all = [(1, None), (2, None), (3, None)];
+    for at in 1..=3 {
+        c.wait_view(at, &all, Duration::from_secs(20));
+    }
+    let (code, out, err) = run(
+        &[
+            "raid",
+            "load",
+            "--node",
+            c.addr(1),
+            "--secret",
+            SECRET,
+            "--mode",
+            "raid",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "load failed: {out}{err}");
+
+    // 1. A raid-mode run with a client at each site. Site 3 is killed and
+    // restarted under it: read-only transactions submitted at site 3 begin
+    // there, so site 3's new incarnation begins transactions again only if
+    // the run reconnects to it. (The load began transactions there too.)
+    let loaded = tm_stat(&c, 3, "begun").expect("site 3 answers");
+    let mut bg = Bg::spawn(&[
+        "raid",
+        "run",
+        "--node",
+        c.addr(2),
+        "--secret",
+        SECRET,
+        "--mode",
+        "raid",
+        "--clients",
+        "3",
+        "--duration",
+        "10s",
+        "--seed",
+        &seed.to_string(),
+        "--json",
+    ]);
+    eventually(
+        "site 3 to run transactions",
+        Duration::from_secs(10),
+        || tm_stat(&c, 3, "begun").filter(|n| *n > loaded),
+    );
+    c.take(3).kill9();
+    let ready = c.launch(3, &[]);
+    assert!(ready.contains("incarnation 2"), "{ready}");
+    let restarted = bg.started.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(8);
+    while tm_stat(&c, 3, "begun").is_none_or(|n| n == 0) {
+        if Instant::now() >= deadline || !bg.running() {
+            let d = bg.finish(Duration::from_secs(30));
+            panic!(
+                "the run never sent transactions to the restarted site 3:\n{}\n{}",
+                d.out, d.err
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "site 3 restarted {:.1} s into the run; clients back on it {:.1} s later",
+        restarted.as_secs_f64(),
+        (bg.started.elapsed() - restarted).as_secs_f64()
+    );
+    let d = bg.finish(Duration::from_secs(30));
+    let v = report("run across site 3's restart", &d);
+    assert!(count(&v, "committed") > 0, "{v}");
+    // Without a terminal, a progress line every few seconds on stderr.
+    let progress: Vec<&str> = d
+        .err
+        .lines()
+        .filter(|l| l.starts_with("weft raid run: "))
+        .collect();
+    assert!(progress.len() >= 3, "progress lines on stderr:\n{}", d.err);
+    for l in &progress {
+        println!("  {l}");
+    }
+    let first = audit_passes(&c, 1);
+    assert_eq!(first["replicas"], serde_json::json!([1, 2, 3]), "{first}");
+
+    // 2. Site 3 down: the audit covers the live copies, fails, and names
+    // the copy it could not see.
+    c.take(3).kill9();
+    c.wait_view(1, &all[..2], Duration::from_secs(10));
+    let (code, v, err) = audit(&c, 1);
+    assert_ne!(code, 0, "an audit missing a copy fails: {v}\n{err}");
+    assert_eq!(v["passed"], false, "{v}");
+    assert_eq!(v["missing"], serde_json::json!([3]), "{v}");
+    assert_eq!(v["replicas"], serde_json::json!([1, 2, 3]), "{v}");
+    assert_eq!(v["sites"]["3"]["audited"], false, "{v}");
+    for id in ["1", "2"] {
+        assert_eq!(
+            v["sites"][id]["balances"]["account"][0], 100,
+            "site {id} audited: {v}"
+        );
+    }
+    assert!(
+        v["problems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p.as_str().unwrap().starts_with("site 3:")),
+        "{v}"
+    );
+
+    // 3. A refused connection exits 3 (HostDead/ProcDead), as documented.
+    let dead = c.addr(3).to_string();
+    for args in [
+        &["status", "--node", dead.as_str(), "--secret", SECRET][..],
+        &["raid", "audit", "--node", dead.as_str(), "--secret", SECRET],
+    ] {
+        let (code, _, err) = run(args, &[]);
+        assert_eq!(
+            code,
+            3,
+            "`weft {}` against a dead node: {err}",
+            args.join(" ")
+        );
+    }
+
+    // 4. A run whose --node site dies before the end still reports what
+    // its clients counted, and says what it could not fetch.
+    c.launch(3, &[]);
+    for at in 1..=3 {
+        c.wait_view(at, &all, Duration::from_secs(20));
+    }
+    let before = tm_stat(&c, 3, "begun").expect("site 3 answers");
+    let mut bg = Bg::spawn(&[
+        "raid",
+        "run",
+        "--node",
+        c.addr(3),
+        "--secret",
+        SECRET,
+        "--mode",
+        "raid",
+        "--clients",
+        "3",
+        "--duration",
+        "3s",
+        "--seed",
+        &(seed + 1).to_string(),
+        "--json",
+    ]);
+    eventually(
+        "site 3 to run transactions",
+        Duration::from_secs(10),
+        || tm_stat(&c, 3, "begun").filter(|n| *n > before),
+    );
+    assert!(bg.running());
+    c.take(3).kill9();
+    let d = bg.finish(Duration::from_secs(30));
+    let v = report("run whose --node site died", &d);
+    assert!(count(&v, "attempts") > 0, "{v}");
+    assert!(v["not_fetched"]["site_counters"].is_string(), "{v}");
+    assert!(v["messages_per_txn"].is_null(), "{v}");
+
+    // 5. The whole cluster crashes; the sites come back in reverse order:
+    // 3 and 2 wait for a --join member to answer, 1 founds the cluster.
+    for id in [1, 2] {
+        c.take(id).kill9();
+    }
+    let joins = format!("{},{}", c.addr(2), c.addr(1));
+    let data = |id| data_dir(c.dir.path(), id);
+    let s3 = Site::spawn(3, c.addr(3), Some(&joins), &data(3), &[]);
+    let s2 = Site::spawn(2, c.addr(2), Some(c.addr(1)), &data(2), &[]);
+    std::thread::sleep(Duration::from_millis(500)); // let both find nobody
+    c.launch(1, &[]);
+    for s in [s2, s3] {
+        s.wait_line(" listening on ", Duration::from_secs(30));
+        let i = (s.id - 1) as usize;
+        c.sites[i] = Some(s);
+    }
+    for at in 1..=3 {
+        c.wait_view(at, &all, Duration::from_secs(20));
+    }
+    let v = audit_passes(&c, 2);
+    println!(
+        "audit after the whole-cluster restart: {} history rows ({:.1} s in all)",
+        v["sites"]["1"]["history_rows"],
+        t0.elapsed().as_secs_f64()
+    );
+
+    // A --join member that never answers: bounded by --join-timeout, exit 3.
+    let lone = free_port();
+    let started = Instant::now();
+    let (code, _, err) = run(
+        &[
+            "raid",
+            "site",
+            "--id",
+            "9",
+            "--listen",
+            &free_port(),
+            "--secret",
+            SECRET,
+            "--join",
+            &lone,
+            "--join-timeout",
+            "1s",
+        ],
+        &[],
+    );
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("no --join member answered"), "{err}");
+    println!("gave up joining after {:?}", started.elapsed());
 }

@@ -86,8 +86,9 @@ pub struct Shipped {
     pub id: u64,
     /// 0 for the first sending, then 1, 2, ... for repeats.
     pub attempt: u32,
-    /// The sites holding a copy, as the shipping AD sees them: the run
-    /// writes to exactly these, as the shipping AD would have.
+    /// The sites holding a copy, as the shipping AD's placement names
+    /// them: the first copy's AD runs the request only when its own
+    /// placement names the same sites (and it is the first).
     pub sites: Vec<NodeId>,
     /// The transaction.
     pub req: AdRequest,
@@ -112,6 +113,26 @@ enum Claimed {
     Fresh(Transaction),
     /// Settled already (or busy): the answer to give.
     Settled(ShippedReply),
+}
+
+/// A failed call to `site`'s copy, with the status a dead copy's site
+/// gets: a site the caller does not know (not joined yet, or gone) is
+/// HostDead; one whose process does not serve its copy (its Raid services
+/// absent, still starting, or its copy not loaded) is ProcDead. Other
+/// failures keep their status.
+fn copy_unavailable(site: NodeId, f: Failure) -> Failure {
+    let status = match f.status {
+        Status::AddrError => Status::HostDead,
+        Status::NoSuchService | Status::Unavailable => Status::ProcDead,
+        _ => return f,
+    };
+    Failure::new(
+        status,
+        format!(
+            "site {site}'s copy is not available ({}: {})",
+            f.status, f.detail
+        ),
+    )
 }
 
 /// What a transaction returns: the account balance read (tpcb) or the sum of
@@ -198,7 +219,7 @@ impl Ad {
                 {
                     Some(f)
                 }
-                Err(f) => return Err(f),
+                Err(f) => return Err(copy_unavailable(primary, f)),
             };
             if Instant::now() >= give_up {
                 let why = lost.map(|f| f.to_string()).unwrap_or_else(|| "busy".into());
@@ -219,7 +240,14 @@ impl Ad {
     /// transaction claims the request's marker at the first copy; a marker
     /// found committed answers with the recorded result, a marker held by
     /// another run answers Busy.
+    ///
+    /// A request shipped to a site that is not the first copy, or by an AD
+    /// whose placement names other sites, fails with Mismatch without
+    /// running: a writing transaction runs at the first copy or not at all.
     pub async fn run_shipped(&self, shipped: Shipped) -> ShippedReply {
+        if let Err(f) = self.check_shipped(&shipped) {
+            return ShippedReply::Done(Err(f));
+        }
         let marker = Item {
             rel: Relation::Request,
             key: shipped.id,
@@ -283,6 +311,36 @@ impl Ad {
                 }
             }
         }
+    }
+
+    /// Fails with Mismatch unless this site is the first copy and the
+    /// shipping AD's placement is this site's.
+    fn check_shipped(&self, shipped: &Shipped) -> Result<(), Failure> {
+        let me = self.site();
+        let mut theirs = shipped.sites.clone();
+        theirs.sort();
+        theirs.dedup();
+        if self.replicas.first() != me {
+            return Err(Failure::new(
+                Status::Mismatch,
+                format!(
+                    "request {:016x} shipped to site {me}, but the first copy is at site {}",
+                    shipped.id,
+                    self.replicas.first()
+                ),
+            ));
+        }
+        if theirs != self.replicas.all() {
+            return Err(Failure::new(
+                Status::Mismatch,
+                format!(
+                    "request {:016x} was shipped for copies at {theirs:?}, site {me} has them at {:?}",
+                    shipped.id,
+                    self.replicas.all()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Claims a shipped request's marker at the first copy within `tx`.
@@ -361,7 +419,8 @@ impl Ad {
                 Payload::local(SiteRequest(ops)),
                 Some(deadline),
             )
-            .await?;
+            .await
+            .map_err(|f| copy_unavailable(site, f))?;
         tracing::trace!(tid = %tx.tid(), %site, "site call done");
         let reply: SiteReply = payload
             .decode()

@@ -4,8 +4,10 @@
 //! For each balance relation, the sum of its balances equals the sum of the
 //! deltas of the history rows that touched it (a tpcb row touches an account,
 //! a teller and a branch; a raid-mode row one tuple of one relation); all
-//! copies hold the same sums and the same number of history rows. Owns the
-//! check. Must read committed state only.
+//! copies hold the same sums, the same number of history rows and the same
+//! placement. Every site the placement names must be audited: a copy that
+//! could not be seen fails the audit (by name), it is never left out
+//! quietly. Owns the check. Must read committed state only.
 
 use std::collections::BTreeMap;
 
@@ -13,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use weft_kv::Kv;
 use weft_wire::NodeId;
 
+use crate::rc::{Replicas, PLACEMENT_KEY};
 use crate::schema::{balance, HistoryRow, Relation};
 
 /// Sums of one copy.
@@ -26,6 +29,9 @@ pub struct SiteAudit {
     pub history_sums: BTreeMap<String, i64>,
     /// Rows that could not be decoded.
     pub malformed: u64,
+    /// The sites this copy's placement names (empty before its load).
+    #[serde(default)]
+    pub placement: Vec<NodeId>,
 }
 
 impl SiteAudit {
@@ -34,6 +40,9 @@ impl SiteAudit {
         let mut out = Vec::new();
         if self.malformed > 0 {
             out.push(format!("{} malformed rows", self.malformed));
+        }
+        if self.placement.is_empty() {
+            out.push("the copy is not loaded (no placement)".into());
         }
         for rel in Relation::BALANCES {
             let (_, sum) = self.balances.get(rel.name()).copied().unwrap_or_default();
@@ -56,6 +65,13 @@ impl SiteAudit {
 /// Audits one copy's committed state.
 pub fn audit_store(kv: &Kv) -> SiteAudit {
     let mut a = SiteAudit::default();
+    match kv.committed(PLACEMENT_KEY) {
+        None => {}
+        Some(b) => match Replicas::decode_placement(&b) {
+            Some(sites) => a.placement = sites,
+            None => a.malformed += 1,
+        },
+    }
     for rel in Relation::BALANCES {
         let mut rows = 0;
         let mut sum = 0i64;
@@ -94,17 +110,56 @@ pub fn audit_store(kv: &Kv) -> SiteAudit {
 /// The audit of every copy.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Audit {
-    /// Each site's sums.
+    /// Each audited site's sums.
     pub sites: Vec<(NodeId, SiteAudit)>,
+    /// Sites whose copy could not be audited, with why.
+    #[serde(default)]
+    pub missing: Vec<(NodeId, String)>,
 }
 
 impl Audit {
-    /// Every violation: per copy, and copies that differ from the first.
+    /// Every site that should hold a copy: those the audited copies'
+    /// placements name, and those audited or tried. Lowest first.
+    pub fn replicas(&self) -> Vec<NodeId> {
+        let mut all: Vec<NodeId> = self
+            .sites
+            .iter()
+            .flat_map(|(n, a)| std::iter::once(*n).chain(a.placement.iter().copied()))
+            .chain(self.missing.iter().map(|(n, _)| *n))
+            .collect();
+        all.sort();
+        all.dedup();
+        all
+    }
+
+    /// Every violation: per copy, copies that differ from the first, and
+    /// sites of the placement whose copy was not audited.
     pub fn problems(&self) -> Vec<String> {
         let mut out = Vec::new();
+        if self.sites.is_empty() {
+            out.push("no copy was audited".into());
+        }
+        for (node, why) in &self.missing {
+            out.push(format!("site {node}: its copy could not be audited: {why}"));
+        }
+        for node in self.replicas() {
+            let seen = self.sites.iter().any(|(n, _)| *n == node)
+                || self.missing.iter().any(|(n, _)| *n == node);
+            if !seen {
+                out.push(format!(
+                    "site {node}: named by a placement but its copy was not audited"
+                ));
+            }
+        }
         for (node, a) in &self.sites {
             for p in a.problems() {
                 out.push(format!("site {node}: {p}"));
+            }
+            if !a.placement.is_empty() && !a.placement.contains(node) {
+                out.push(format!(
+                    "site {node}: its placement {:?} leaves it out",
+                    a.placement
+                ));
             }
         }
         if let Some((first_node, first)) = self.sites.first() {
@@ -119,8 +174,57 @@ impl Audit {
         out
     }
 
-    /// True when the invariant holds everywhere and all copies agree.
+    /// True when every copy of the placement was audited, the invariant
+    /// holds on each and all copies agree.
     pub fn passed(&self) -> bool {
-        !self.sites.is_empty() && self.problems().is_empty()
+        self.problems().is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy(placement: &[u32]) -> SiteAudit {
+        SiteAudit {
+            placement: placement.iter().map(|i| NodeId(*i)).collect(),
+            ..SiteAudit::default()
+        }
+    }
+
+    #[test]
+    fn an_audit_that_misses_a_copy_fails_and_names_it() {
+        let all = [1, 2, 3];
+        let full = Audit {
+            sites: all.iter().map(|i| (NodeId(*i), copy(&all))).collect(),
+            missing: vec![],
+        };
+        assert!(full.passed(), "{:?}", full.problems());
+        // Site 3 neither audited nor tried: the placement names it.
+        let two = Audit {
+            sites: full.sites[..2].to_vec(),
+            missing: vec![],
+        };
+        assert!(!two.passed());
+        assert_eq!(two.replicas(), vec![NodeId(1), NodeId(2), NodeId(3)]);
+        assert!(
+            two.problems().iter().any(|p| p.starts_with("site 3:")),
+            "{:?}",
+            two.problems()
+        );
+        // Site 3 tried and down.
+        let down = Audit {
+            sites: full.sites[..2].to_vec(),
+            missing: vec![(NodeId(3), "HostDead: gone".into())],
+        };
+        assert!(!down.passed());
+        assert!(down.problems().iter().any(|p| p.contains("HostDead: gone")));
+        // Nothing audited, or nothing loaded.
+        assert!(!Audit::default().passed());
+        let unloaded = Audit {
+            sites: vec![(NodeId(1), copy(&[]))],
+            missing: vec![],
+        };
+        assert!(!unloaded.passed());
     }
 }

@@ -15,7 +15,6 @@ use weft_wire::Failure;
 use crate::ad::Ad;
 use crate::audit::Audit;
 use crate::load::{load_store, LoadRequest};
-use crate::rc::Replicas;
 use crate::schema::Sizes;
 use crate::site::{RaidSite, SiteConfig};
 
@@ -92,12 +91,23 @@ impl RaidCluster {
     }
 
     async fn start_site(&self, id: u32) -> Result<(Node, RaidSite), Failure> {
+        self.start_node(id, true).await
+    }
+
+    /// Starts site `id`'s node from its data directory; with `raid` false
+    /// without the Raid plugin (its process up, its copy not served).
+    async fn start_node(&self, id: u32, raid: bool) -> Result<(Node, RaidSite), Failure> {
         let site = RaidSite::new(self.opts.site.clone());
         let mut b = Node::builder(id)
             .hub(self.hub.clone())
             .data_dir(self._dir.path().join(format!("site{id}")))
-            .failure_detector(self.opts.detector.0, self.opts.detector.1)
-            .plugin(Arc::new(site.clone()));
+            .failure_detector(self.opts.detector.0, self.opts.detector.1);
+        if raid {
+            b = b.plugin(Arc::new(site.clone()));
+        } else {
+            // Nothing may touch the log of a copy nobody serves.
+            b = b.checkpoint_every(None);
+        }
         if let Some(f) = &self.opts.fault {
             b = b.fault(f.clone());
         }
@@ -123,15 +133,34 @@ impl RaidCluster {
         Ok(())
     }
 
-    /// Loads every copy.
+    /// Crashes site `id` and starts its node again from its data directory
+    /// without the Raid plugin (tests): the node is up and a member, but
+    /// serves no copy. [`RaidCluster::restart`] brings the site back.
+    ///
+    /// Fails when the node does not restart.
+    pub async fn restart_without_raid(&mut self, id: u32) -> Result<(), Failure> {
+        let i = (id - 1) as usize;
+        self.nodes[i].crash();
+        let (node, site) = self.start_node(id, false).await?;
+        self.nodes[i] = node;
+        self.sites[i] = site;
+        Ok(())
+    }
+
+    /// Loads every copy, each with the placement naming every site.
     ///
     /// Fails when a copy cannot be loaded.
     pub async fn load(&self, sizes: Sizes) -> Result<(), Failure> {
+        let all: Vec<NodeId> = self.nodes.iter().map(|n| n.id()).collect();
         let loads = self.nodes.iter().zip(&self.sites).map(|(node, site)| {
             let participant = site.clone();
+            let req = LoadRequest {
+                sizes,
+                sites: all.clone(),
+            };
             async move {
                 let p = participant.participant_handle();
-                load_store(node.rpc(), site.store(), p, LoadRequest { sizes }).await
+                load_store(node.rpc(), site.store(), p, req).await
             }
         });
         for r in futures::future::join_all(loads).await {
@@ -140,16 +169,12 @@ impl RaidCluster {
         Ok(())
     }
 
-    /// One action driver per site, writing to every site's copy.
+    /// One action driver per site, writing to the copies its loaded copy
+    /// names (every site's).
     ///
-    /// Fails before the nodes started.
+    /// Fails before the load.
     pub fn ads(&self) -> Result<Vec<Ad>, Failure> {
-        let all: Vec<NodeId> = self.nodes.iter().map(|n| n.id()).collect();
-        self.nodes
-            .iter()
-            .zip(&self.sites)
-            .map(|(n, s)| s.ad(Replicas::new(all.clone(), n.id())))
-            .collect()
+        self.sites.iter().map(RaidSite::loaded_ad).collect()
     }
 
     /// Audits every copy.
@@ -161,6 +186,7 @@ impl RaidCluster {
                 .zip(&self.sites)
                 .map(|(n, s)| (n.id(), s.audit()))
                 .collect(),
+            missing: Vec::new(),
         }
     }
 

@@ -1,26 +1,33 @@
 //! Loading a site's copy with the initial database.
 //!
-//! Owns the initial state: every balance 0, history empty. Must never load
-//! twice over a loaded copy (a reload would undo committed work).
+//! Owns the initial state: every balance 0, history empty, and the copy's
+//! placement (the sites holding a copy, see [`crate::rc`]). Must never load
+//! twice over a loaded copy (a reload would undo committed work), nor
+//! change a loaded copy's placement.
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use weft_kv::{Kv, Op};
 use weft_rpc::Rpc;
 use weft_tx::Resource;
-use weft_wire::Failure;
+use weft_wire::{Failure, NodeId, Status};
 
+use crate::rc::{Replicas, MAX_SITES, PLACEMENT_KEY};
 use crate::schema::{tuple, Item, Relation, Sizes};
 
 /// Tuples written per loading transaction.
 const LOAD_BATCH: u64 = 10_000;
 
 /// What to load.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadRequest {
     /// Sizes of the balance relations.
     pub sizes: Sizes,
+    /// The sites holding a copy (this one among them): every write will
+    /// go to each of them.
+    pub sites: Vec<NodeId>,
 }
 
 /// What a load did.
@@ -32,41 +39,93 @@ pub struct LoadReply {
     pub tuples: u64,
 }
 
-/// Loads `kv` (a site's copy) through local transactions coordinated by
-/// this site, unless it already holds branch 1.
+/// The placement a copy was loaded with; `None` before its load ended.
 ///
-/// Fails when a loading transaction fails to commit.
+/// Fails with Internal when the stored placement is unreadable.
+pub fn stored_placement(kv: &Kv) -> Result<Option<Vec<NodeId>>, Failure> {
+    match kv.committed(PLACEMENT_KEY) {
+        None => Ok(None),
+        Some(b) => Replicas::decode_placement(&b).map(Some).ok_or_else(|| {
+            Failure::new(
+                Status::Internal,
+                format!("the stored placement ({} bytes) is unreadable", b.len()),
+            )
+        }),
+    }
+}
+
+/// Loads `kv` (a site's copy) through local transactions coordinated by
+/// this site, unless it is loaded already. The last transaction also
+/// stores the placement, so a copy holding one is fully loaded.
+///
+/// Fails with BadRequest when `req.sites` is empty, too long or leaves
+/// this site out, Mismatch when the copy was loaded for other sites, and
+/// when a loading transaction fails to commit.
 pub async fn load_store(
     rpc: &Rpc,
     kv: &Kv,
     participant: Arc<dyn Resource>,
     req: LoadRequest,
 ) -> Result<LoadReply, Failure> {
-    let marker = Item {
-        rel: Relation::Branch,
-        key: 1,
-    };
-    if kv.committed(&marker.kv_key()).is_some() {
+    let me = rpc.node_id();
+    let mut sites = req.sites.clone();
+    sites.sort();
+    sites.dedup();
+    if sites.len() > MAX_SITES || !sites.contains(&me) {
+        return Err(Failure::new(
+            Status::BadRequest,
+            format!(
+                "a load of site {me} must name it among at most {MAX_SITES} sites, not {sites:?}"
+            ),
+        ));
+    }
+    let placement = Replicas::encode_placement(&sites);
+    if let Some(loaded) = stored_placement(kv)? {
+        if loaded != sites {
+            return Err(Failure::new(
+                Status::Mismatch,
+                format!("site {me}'s copy was loaded for sites {loaded:?}, not {sites:?}"),
+            ));
+        }
         return Ok(LoadReply {
             loaded: false,
             tuples: 0,
         });
     }
+    let marker = Item {
+        rel: Relation::Branch,
+        key: 1,
+    };
+    // Branches come last, so branch 1 is in the last batch: a copy that
+    // holds it without a placement was loaded in full by a version that
+    // stored none. It gets its placement alone.
     let mut items: Vec<Item> = Vec::new();
-    for rel in Relation::BALANCES {
-        for key in 1..=req.sizes.of(rel) {
-            items.push(Item { rel, key });
+    if kv.committed(&marker.kv_key()).is_none() {
+        for rel in Relation::BALANCES {
+            for key in 1..=req.sizes.of(rel) {
+                items.push(Item { rel, key });
+            }
         }
     }
     let tuples = items.len() as u64;
     let zero = tuple(0);
-    for chunk in items.chunks(LOAD_BATCH as usize) {
+    let batches = items.len().div_ceil(LOAD_BATCH as usize).max(1);
+    let mut chunks = items.chunks(LOAD_BATCH as usize);
+    for i in 0..batches {
         let tx = rpc.begin();
         rpc.tm().enlist(tx.tid(), participant.clone())?;
-        let ops = chunk
+        let mut ops: Vec<Op> = chunks
+            .next()
+            .unwrap_or_default()
             .iter()
             .map(|i| Op::Put(i.kv_key(), zero.clone()))
             .collect();
+        if i + 1 == batches {
+            ops.push(Op::Put(
+                Bytes::from_static(PLACEMENT_KEY),
+                placement.clone(),
+            ));
+        }
         if let Err(f) = kv.execute(&tx.context().xid(), ops, None).await {
             let _ = tx.abort(&f.detail).await;
             return Err(f);
@@ -74,7 +133,7 @@ pub async fn load_store(
         tx.commit().await?;
     }
     Ok(LoadReply {
-        loaded: true,
+        loaded: tuples > 0,
         tuples,
     })
 }

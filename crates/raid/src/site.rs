@@ -19,12 +19,12 @@ use weft_kv::{Kv, KvConfig, Locking, Op, Reply};
 use weft_log::{Log, LogRecord, Lsn};
 use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
 use weft_tx::{ParticipationClass, Resource, TxManager, Vote};
-use weft_wire::{Failure, Status, SubPath, Tid, Xid};
+use weft_wire::{Failure, NodeId, Status, SubPath, Tid, Xid};
 
 use crate::ad::{Ad, AdReply, AdRequest};
 use crate::audit::{audit_store, SiteAudit};
 use crate::cc::Cc;
-use crate::load::{load_store, LoadRequest};
+use crate::load::{load_store, stored_placement, LoadRequest};
 use crate::rc::Replicas;
 use crate::schema::{balance, tuple, Item, Relation};
 
@@ -105,6 +105,9 @@ struct Inner {
     participant: OnceLock<Arc<dyn Resource>>,
     kv_participant: Arc<dyn Resource>,
     rpc: OnceLock<Rpc>,
+    /// The copy's placement, once read from the loaded copy (it never
+    /// changes after the load).
+    placement: OnceLock<Vec<NodeId>>,
 }
 
 /// A Raid site, installed in a weft node as a plugin.
@@ -202,6 +205,7 @@ impl RaidSite {
                 participant: OnceLock::new(),
                 kv_participant,
                 rpc: OnceLock::new(),
+                placement: OnceLock::new(),
             }),
         }
     }
@@ -287,7 +291,44 @@ impl RaidSite {
         Ok(out)
     }
 
-    /// An action driver running transactions from this site.
+    /// The copies, as this site's loaded copy names them: every write goes
+    /// to each of them, whether it is up or not.
+    ///
+    /// Fails with Unavailable before the site's node started or while its
+    /// copy is not loaded, Internal when the stored placement is
+    /// unreadable.
+    pub fn placement(&self) -> Result<Replicas, Failure> {
+        let me = self
+            .inner
+            .rpc
+            .get()
+            .ok_or_else(|| Failure::new(Status::Unavailable, "the site has not started"))?
+            .node_id();
+        if let Some(sites) = self.inner.placement.get() {
+            return Ok(Replicas::new(sites.clone(), me));
+        }
+        let sites = stored_placement(&self.inner.kv)?.ok_or_else(|| {
+            Failure::new(
+                Status::Unavailable,
+                format!("site {me}'s copy is not loaded (run `weft raid load`)"),
+            )
+        })?;
+        Ok(Replicas::new(
+            self.inner.placement.get_or_init(|| sites).clone(),
+            me,
+        ))
+    }
+
+    /// An action driver writing to the copies this site's loaded copy
+    /// names.
+    ///
+    /// Fails like [`RaidSite::placement`].
+    pub fn loaded_ad(&self) -> Result<Ad, Failure> {
+        self.ad(self.placement()?)
+    }
+
+    /// An action driver running transactions from this site, writing to
+    /// `replicas`.
     ///
     /// Fails with Unavailable before the site's node started.
     pub fn ad(&self, replicas: Replicas) -> Result<Ad, Failure> {
@@ -306,6 +347,9 @@ impl RaidSite {
                 "site operations run within a transaction",
             )
         })?;
+        // A copy that is not loaded is no copy yet: writing to it would
+        // make it differ from the others.
+        self.placement()?;
         self.execute(&tx.xid(), req.0, ctx.deadline())
             .await
             .map(SiteReply)
@@ -386,11 +430,7 @@ impl Plugin for RaidSite {
             ServiceOptions::no_state(),
             move |_ctx, req: AdRequest| {
                 let site = site.clone();
-                async move {
-                    let replicas =
-                        Replicas::all_alive(site.inner.rpc.get().expect("serving").endpoint());
-                    site.ad(replicas)?.run(req).await.map(AdReply)
-                }
+                async move { site.loaded_ad()?.run(req).await.map(AdReply) }
             },
         )?;
         let site = self.clone();
@@ -399,11 +439,7 @@ impl Plugin for RaidSite {
             ServiceOptions::no_state(),
             move |_ctx, req: crate::ad::Shipped| {
                 let site = site.clone();
-                async move {
-                    let me = site.inner.rpc.get().expect("serving").node_id();
-                    let replicas = Replicas::new(req.sites.clone(), me);
-                    Ok(site.ad(replicas)?.run_shipped(req).await)
-                }
+                async move { Ok(site.loaded_ad()?.run_shipped(req).await) }
             },
         )?;
         let site = self.clone();
