@@ -428,7 +428,8 @@ impl Plugin for Kv {
         let snap = snapshot::read(&dir).map_err(plugin_failure)?;
         if let Some(log) = self.inner.log.get() {
             let at = snap.as_ref().map(|(at, _)| *at);
-            snapshot::check_covers(&dir, at, log.dir(), log.first_lsn().get()).map_err(|e| {
+            let (start, end) = (log.first_lsn().get(), log.end_lsn().get());
+            snapshot::check_covers(&dir, at, log.dir(), start, end).map_err(|e| {
                 tracing::error!(error = %e, "kv cannot recover");
                 plugin_failure(e)
             })?;

@@ -62,18 +62,48 @@ pub enum SnapshotError {
         /// Where the log starts.
         log_start: u64,
     },
+    /// The snapshot is valid as of a log position the log no longer reaches:
+    /// records that were durable when it was taken are gone from the log
+    /// (lost files, a cut below the checkpoint), and the records appended
+    /// from now on would take positions below the snapshot's, where replay
+    /// skips them.
+    #[error(
+        "snapshot {} holds the records before LSN {snapshot_lsn}, but log {log_dir} ends at \
+         LSN {log_end}: the log lost records that were durable; refusing to start",
+        snapshot.display()
+    )]
+    SnapshotPastLog {
+        /// The snapshot file.
+        snapshot: PathBuf,
+        /// The log position the snapshot is valid as of.
+        snapshot_lsn: u64,
+        /// The log directory.
+        log_dir: PathBuf,
+        /// Where the log ends.
+        log_end: u64,
+    },
 }
 
 /// Checks that a snapshot valid as of `snapshot_lsn` (`None`: no snapshot)
-/// in `dir`, together with a log in `log_dir` starting at `log_start`, holds
-/// every record: fails with [`SnapshotError::LogPastSnapshot`] when the log
-/// starts past the snapshot.
+/// in `dir`, together with a log in `log_dir` holding `log_start..log_end`,
+/// holds every record: fails with [`SnapshotError::LogPastSnapshot`] when the
+/// log starts past the snapshot, [`SnapshotError::SnapshotPastLog`] when the
+/// log ends before it.
 pub fn check_covers(
     dir: &Path,
     snapshot_lsn: Option<u64>,
     log_dir: &Path,
     log_start: u64,
+    log_end: u64,
 ) -> Result<(), SnapshotError> {
+    if let Some(at) = snapshot_lsn.filter(|&at| at > log_end) {
+        return Err(SnapshotError::SnapshotPastLog {
+            snapshot: path(dir),
+            snapshot_lsn: at,
+            log_dir: log_dir.to_path_buf(),
+            log_end,
+        });
+    }
     if log_start > snapshot_lsn.unwrap_or(0) {
         return Err(SnapshotError::LogPastSnapshot {
             snapshot: path(dir),
@@ -210,12 +240,12 @@ mod tests {
     }
 
     #[test]
-    fn a_log_starting_past_the_snapshot_is_refused_naming_both() {
+    fn a_log_not_reaching_from_the_snapshot_on_is_refused_naming_both() {
         let (kv, log) = (Path::new("/d/kv"), Path::new("/d/log"));
-        check_covers(kv, None, log, 0).unwrap();
-        check_covers(kv, Some(4096), log, 4096).unwrap();
-        check_covers(kv, Some(4096), log, 100).unwrap();
-        let err = check_covers(kv, None, log, 4096).unwrap_err();
+        check_covers(kv, None, log, 0, 32).unwrap();
+        check_covers(kv, Some(4096), log, 4096, 4096).unwrap();
+        check_covers(kv, Some(4096), log, 100, 8000).unwrap();
+        let err = check_covers(kv, None, log, 4096, 8000).unwrap_err();
         let text = err.to_string();
         assert!(
             matches!(
@@ -236,7 +266,21 @@ mod tests {
             text.contains("4096") && text.contains("does not exist"),
             "{text}"
         );
-        let err = check_covers(kv, Some(64), log, 4096).unwrap_err();
+        let err = check_covers(kv, Some(64), log, 4096, 8000).unwrap_err();
         assert!(err.to_string().contains("before LSN 64"), "{err}");
+        // A log that lost its tail below the snapshot (new records would land
+        // below it and never be replayed).
+        let err = check_covers(kv, Some(4096), log, 0, 32).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SnapshotError::SnapshotPastLog {
+                    snapshot_lsn: 4096,
+                    log_end: 32,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 }

@@ -144,8 +144,8 @@ pub(crate) struct Recovery {
 /// segment of a fresh log.
 ///
 /// Returns [`LogError::Corrupt`] when continuing would silently lose records the log must have
-/// (the segment holding the start is missing or has a bad header), [`LogError::Io`] when the
-/// directory cannot be read or repaired.
+/// (the segment holding the start is missing or has a bad header, or a segment file between
+/// two others is missing), [`LogError::Io`] when the directory cannot be read or repaired.
 pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
     let dir = config.dir.as_path();
     let dur = &config.durability;
@@ -295,6 +295,22 @@ fn scan_segment(
             )))
         }
         Ok(_) => {}
+    }
+    if let Some(pe) = prev_end.filter(|&pe| pe < base) {
+        // A hole: the records in [pe, base) are in no file. Segments are created only after
+        // the previous one is synced and their entries are synced, so no crash leaves a hole;
+        // a segment file went missing (or the previous one lost its tail). Cutting here would
+        // delete this and every later segment, durable records included: refuse instead.
+        return Err(LogError::Corrupt {
+            lsn: Lsn(pe),
+            reason: format!(
+                "no segment holds {}..{}: the previous segment ends at {} but the next file \
+                 is {name}; refusing to delete it and the segments after it",
+                Lsn(pe),
+                Lsn(base),
+                Lsn(pe)
+            ),
+        });
     }
     if let Some(pe) = prev_end.filter(|&pe| pe != base) {
         return Ok(SegmentScan::Rejected(format!(
