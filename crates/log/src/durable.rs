@@ -12,8 +12,9 @@
 //! (`create_dir_all` syncs the parent of every directory it creates, `rename` syncs the
 //! directories on both sides, `sync_dir` reports its failure), and [`PowerLoss`], a fault layer
 //! for tests that records which entries were synced and, on [`PowerLoss::crash`], discards
-//! every entry that was not. Must never: read or write file contents (callers fsync their own
-//! files), or retry a failed directory fsync (the caller treats it as fatal).
+//! every entry that was not. Must never: write file contents (callers write and fsync their
+//! own files; only the simulation reads a file it is about to replace or remove, to undo it),
+//! or retry a failed directory fsync (the caller treats it as fatal).
 
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
