@@ -440,9 +440,16 @@ impl Plugin for Kv {
             .snapshot_dir()
             .cloned()
             .ok_or_else(|| plugin_failure("not attached"))?;
-        let (from, image) = snapshot::read(&dir)
-            .map_err(plugin_failure)?
-            .unwrap_or_default();
+        let snap = snapshot::read(&dir).map_err(plugin_failure)?;
+        if let Some(log) = self.inner.log.get() {
+            let at = snap.as_ref().map(|(at, _)| *at);
+            let (start, end) = (log.first_lsn().get(), log.end_lsn().get());
+            snapshot::check_covers(&dir, at, log.dir(), start, end).map_err(|e| {
+                tracing::error!(error = %e, "kv cannot recover");
+                plugin_failure(e)
+            })?;
+        }
+        let (from, image) = snap.unwrap_or_default();
         let mut store = Store::from_image(image);
         for r in records
             .iter()
@@ -530,7 +537,7 @@ impl Plugin for Kv {
         if last > log.durable_lsn() {
             log.force_blocking(last).map_err(plugin_failure)?;
         }
-        snapshot::write(&dir, at.get(), &image).map_err(plugin_failure)?;
+        snapshot::write(log.durability(), &dir, at.get(), &image).map_err(plugin_failure)?;
         // Keep the records of prepared branches: the transaction manager's
         // outcome records for them follow their prepare records.
         Ok(Some(Lsn(oldest.map_or(at.get(), |o| o.min(at.get())))))

@@ -3,13 +3,18 @@
 //!
 //! Layout: magic `WKVSNAP1` (8 bytes), log position (u64 LE), body length
 //! (u64 LE), CRC32C of the body (u32 LE), body (postcard [`Image`]).
-//! Owns that file and nothing else. Must never replace a good snapshot with
-//! a partial one: write to a temporary file, fsync, rename, fsync the
-//! directory.
+//! Owns that file, its directory, and the check that the log does not start
+//! past what the snapshot holds. Must never replace a good snapshot with a
+//! partial one (write a temporary file, fsync it, rename it into place through
+//! [`Durability`], which syncs the directory; the directory itself is created
+//! with its parents synced), and never let recovery start over an empty store
+//! when the log's earlier records are gone.
 
-use std::fs::{self, File};
+use std::fs::File;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+
+use weft_log::Durability;
 
 use crate::store::Image;
 
@@ -35,6 +40,79 @@ pub enum SnapshotError {
         /// What is wrong.
         reason: String,
     },
+    /// The log begins past the records the snapshot holds: the records in
+    /// between are in neither, so the store cannot be rebuilt. Happens when a
+    /// snapshot (or its directory) was lost after the log was truncated
+    /// below it; starting anyway would silently drop committed writes.
+    #[error(
+        "log {log_dir} starts at LSN {log_start}, but {}: the records before LSN {log_start} \
+         are in no snapshot; refusing to start",
+        match snapshot_lsn {
+            Some(at) => format!("snapshot {} holds only those before LSN {at}", snapshot.display()),
+            None => format!("snapshot {} does not exist", snapshot.display()),
+        }
+    )]
+    LogPastSnapshot {
+        /// The snapshot file that should hold the missing records.
+        snapshot: PathBuf,
+        /// The log position the snapshot is valid as of, `None` without one.
+        snapshot_lsn: Option<u64>,
+        /// The log directory.
+        log_dir: PathBuf,
+        /// Where the log starts.
+        log_start: u64,
+    },
+    /// The snapshot is valid as of a log position the log no longer reaches:
+    /// records that were durable when it was taken are gone from the log
+    /// (lost files, a cut below the checkpoint), and the records appended
+    /// from now on would take positions below the snapshot's, where replay
+    /// skips them.
+    #[error(
+        "snapshot {} holds the records before LSN {snapshot_lsn}, but log {log_dir} ends at \
+         LSN {log_end}: the log lost records that were durable; refusing to start",
+        snapshot.display()
+    )]
+    SnapshotPastLog {
+        /// The snapshot file.
+        snapshot: PathBuf,
+        /// The log position the snapshot is valid as of.
+        snapshot_lsn: u64,
+        /// The log directory.
+        log_dir: PathBuf,
+        /// Where the log ends.
+        log_end: u64,
+    },
+}
+
+/// Checks that a snapshot valid as of `snapshot_lsn` (`None`: no snapshot)
+/// in `dir`, together with a log in `log_dir` holding `log_start..log_end`,
+/// holds every record: fails with [`SnapshotError::LogPastSnapshot`] when the
+/// log starts past the snapshot, [`SnapshotError::SnapshotPastLog`] when the
+/// log ends before it.
+pub fn check_covers(
+    dir: &Path,
+    snapshot_lsn: Option<u64>,
+    log_dir: &Path,
+    log_start: u64,
+    log_end: u64,
+) -> Result<(), SnapshotError> {
+    if let Some(at) = snapshot_lsn.filter(|&at| at > log_end) {
+        return Err(SnapshotError::SnapshotPastLog {
+            snapshot: path(dir),
+            snapshot_lsn: at,
+            log_dir: log_dir.to_path_buf(),
+            log_end,
+        });
+    }
+    if log_start > snapshot_lsn.unwrap_or(0) {
+        return Err(SnapshotError::LogPastSnapshot {
+            snapshot: path(dir),
+            snapshot_lsn,
+            log_dir: log_dir.to_path_buf(),
+            log_start,
+        });
+    }
+    Ok(())
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> SnapshotError {
@@ -47,18 +125,23 @@ pub fn path(dir: &Path) -> PathBuf {
     dir.join("kv.snapshot")
 }
 
-/// Writes `image`, valid as of log position `lsn`, atomically to `dir`.
+/// Writes `image`, valid as of log position `lsn`, atomically and durably to
+/// `dir` (created, with every new directory's entry synced, if missing): when
+/// it returns `Ok`, the snapshot survives power loss.
 ///
 /// Fails with [`SnapshotError::Io`]; the previous snapshot is then intact.
-pub fn write(dir: &Path, lsn: u64, image: &Image) -> Result<(), SnapshotError> {
-    fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+pub fn write(dur: &Durability, dir: &Path, lsn: u64, image: &Image) -> Result<(), SnapshotError> {
+    dur.create_dir_all(dir)
+        .map_err(io_err(format!("creating {}", dir.display())))?;
     let body = postcard::to_allocvec(image).map_err(|e| SnapshotError::Io {
         context: "encoding the snapshot".into(),
         source: io::Error::other(e.to_string()),
     })?;
     let tmp = dir.join("kv.snapshot.tmp");
     {
-        let mut f = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
+        let mut f = dur
+            .create_file(&tmp)
+            .map_err(io_err(format!("creating {}", tmp.display())))?;
         let mut head = Vec::with_capacity(HEADER);
         head.extend_from_slice(MAGIC);
         head.extend_from_slice(&lsn.to_le_bytes());
@@ -69,11 +152,8 @@ pub fn write(dir: &Path, lsn: u64, image: &Image) -> Result<(), SnapshotError> {
             .map_err(io_err("writing the snapshot"))?;
         f.sync_all().map_err(io_err("syncing the snapshot"))?;
     }
-    fs::rename(&tmp, path(dir)).map_err(io_err("renaming the snapshot"))?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err("syncing the snapshot directory"))?;
-    Ok(())
+    dur.rename(&tmp, &path(dir))
+        .map_err(io_err("renaming the snapshot into place"))
 }
 
 /// Reads the snapshot in `dir`: `None` when there is none.
@@ -116,6 +196,8 @@ pub fn read(dir: &Path) -> Result<Option<(u64, Image)>, SnapshotError> {
 mod tests {
     use super::*;
     use bytes::Bytes;
+    use std::fs;
+    use weft_log::PowerLoss;
 
     #[test]
     fn round_trip_and_damage_detection() {
@@ -125,7 +207,7 @@ mod tests {
         image
             .committed
             .insert(Bytes::from_static(b"k"), Bytes::from_static(b"v"));
-        write(dir.path(), 77, &image).unwrap();
+        write(&Durability::new(), dir.path(), 77, &image).unwrap();
         let (lsn, back) = read(dir.path()).unwrap().unwrap();
         assert_eq!((lsn, back), (77, image));
         let mut raw = fs::read(path(dir.path())).unwrap();
@@ -136,5 +218,69 @@ mod tests {
             read(dir.path()),
             Err(SnapshotError::Corrupt { .. })
         ));
+    }
+
+    /// The first checkpoint creates `<data>/kv`: a power loss that drops every
+    /// directory entry never synced must not take the snapshot with it.
+    #[test]
+    fn the_first_snapshot_survives_power_loss_in_a_fresh_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let data = root.path().join("data");
+        fs::create_dir(&data).unwrap();
+        let dir = data.join("kv");
+        let sim = PowerLoss::new();
+        let mut image = Image::default();
+        image
+            .committed
+            .insert(Bytes::from_static(b"k"), Bytes::from_static(b"v"));
+        write(&Durability::simulated(&sim), &dir, 4096, &image).unwrap();
+        let dropped = sim.crash().unwrap();
+        assert!(dropped.is_empty(), "unsynced entries: {dropped:#?}");
+        assert_eq!(read(&dir).unwrap(), Some((4096, image)));
+    }
+
+    #[test]
+    fn a_log_not_reaching_from_the_snapshot_on_is_refused_naming_both() {
+        let (kv, log) = (Path::new("/d/kv"), Path::new("/d/log"));
+        check_covers(kv, None, log, 0, 32).unwrap();
+        check_covers(kv, Some(4096), log, 4096, 4096).unwrap();
+        check_covers(kv, Some(4096), log, 100, 8000).unwrap();
+        let err = check_covers(kv, None, log, 4096, 8000).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(
+                err,
+                SnapshotError::LogPastSnapshot {
+                    snapshot_lsn: None,
+                    log_start: 4096,
+                    ..
+                }
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("/d/kv/kv.snapshot") && text.contains("/d/log"),
+            "{text}"
+        );
+        assert!(
+            text.contains("4096") && text.contains("does not exist"),
+            "{text}"
+        );
+        let err = check_covers(kv, Some(64), log, 4096, 8000).unwrap_err();
+        assert!(err.to_string().contains("before LSN 64"), "{err}");
+        // A log that lost its tail below the snapshot (new records would land
+        // below it and never be replayed).
+        let err = check_covers(kv, Some(4096), log, 0, 32).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SnapshotError::SnapshotPastLog {
+                    snapshot_lsn: 4096,
+                    log_end: 32,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 }

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::durable::Durability;
 use crate::error::{LogError, Result};
 use crate::record;
 use crate::segment::SEGMENT_HEADER_LEN;
@@ -78,6 +79,10 @@ pub struct LogConfig {
     /// Fault injection for tests: the fdatasync with this 1-based number fails with EIO
     /// instead of running. `None` (the default) injects nothing.
     pub fail_sync_number: Option<u64>,
+    /// How directory entries (segments, `log.meta`, the directory itself) are created,
+    /// renamed, removed and synced. The default is the real file system; tests pass a
+    /// [`Durability::simulated`] one to simulate power loss.
+    pub durability: Durability,
 }
 
 impl LogConfig {
@@ -95,7 +100,15 @@ impl LogConfig {
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
             write_behind_bytes: DEFAULT_WRITE_BEHIND_BYTES,
             fail_sync_number: None,
+            durability: Durability::new(),
         }
+    }
+
+    /// Sets [`LogConfig::durability`].
+    #[must_use]
+    pub fn durability(mut self, durability: Durability) -> LogConfig {
+        self.durability = durability;
+        self
     }
 
     /// Sets [`LogConfig::segment_size`].

@@ -1,13 +1,14 @@
 //! The log directory: its lock, its fsync, and listing what is in it.
 //!
 //! Owns: the exclusive lock that keeps two `Log`s off one directory, directory fsync (needed
-//! after a file is created, renamed or removed), and enumerating segment files. Must never:
-//! read or write segment contents.
+//! after a file is created, renamed or removed; done through the [`Durability`] seam), and
+//! enumerating segment files. Must never: read or write segment contents.
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::path::{Path, PathBuf};
 
+use crate::durable::Durability;
 use crate::error::{LogError, Result};
 use crate::segment;
 
@@ -15,26 +16,17 @@ use crate::segment;
 const LOCK_FILE: &str = "log.lock";
 
 /// Fsyncs a directory so that file creations, renames and removals in it are durable.
-/// Returns [`LogError::Io`] on failure.
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
+/// Returns [`LogError::Io`] on failure, which the caller must treat as fatal.
+pub(crate) fn sync_dir(dur: &Durability, dir: &Path) -> Result<()> {
+    dur.sync_dir(dir)
         .map_err(|e| LogError::io(format!("syncing directory {}", dir.display()), e))
 }
 
-/// Creates `dir` (and missing parents) if needed, making the creation durable.
-/// Returns [`LogError::Io`] on failure.
-pub(crate) fn ensure_dir(dir: &Path) -> Result<()> {
-    if dir.is_dir() {
-        return Ok(());
-    }
-    fs::create_dir_all(dir)
-        .map_err(|e| LogError::io(format!("creating log directory {}", dir.display()), e))?;
-    sync_dir(dir)?;
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        sync_dir(parent)?;
-    }
-    Ok(())
+/// Creates `dir` (and missing parents) if needed, making every new entry durable up to the
+/// first ancestor that existed. Returns [`LogError::Io`] on failure.
+pub(crate) fn ensure_dir(dur: &Durability, dir: &Path) -> Result<()> {
+    dur.create_dir_all(dir)
+        .map_err(|e| LogError::io(format!("creating log directory {}", dir.display()), e))
 }
 
 /// An exclusive advisory lock on a log directory, held for the lifetime of a `Log`.
@@ -75,7 +67,7 @@ impl DirLock {
 
 /// Lists the segment files in `dir` as sorted base positions, and removes leftovers of
 /// interrupted segment creation or meta writes (`*.tmp`). Returns [`LogError::Io`] on failure.
-pub(crate) fn scan(dir: &Path) -> Result<Vec<u64>> {
+pub(crate) fn scan(dur: &Durability, dir: &Path) -> Result<Vec<u64>> {
     let ctx = |e| LogError::io(format!("listing log directory {}", dir.display()), e);
     let mut bases = Vec::new();
     let mut removed: Vec<PathBuf> = Vec::new();
@@ -87,14 +79,14 @@ pub(crate) fn scan(dir: &Path) -> Result<Vec<u64>> {
             bases.push(base);
         } else if name.ends_with(segment::TMP_SUFFIX) {
             let p = entry.path();
-            fs::remove_file(&p)
+            dur.remove_file(&p)
                 .map_err(|e| LogError::io(format!("removing stale {}", p.display()), e))?;
             removed.push(p);
         }
     }
     if !removed.is_empty() {
         tracing::info!(?removed, "removed leftovers of interrupted log writes");
-        sync_dir(dir)?;
+        sync_dir(dur, dir)?;
     }
     bases.sort_unstable();
     Ok(bases)

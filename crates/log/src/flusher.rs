@@ -112,6 +112,7 @@ impl Flusher {
                     self.sync()?;
                 }
                 self.active = segment::create(
+                    &config.durability,
                     &config.dir,
                     chunk.seg_base,
                     config.segment_size,

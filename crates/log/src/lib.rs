@@ -33,7 +33,9 @@
 //!
 //! ## Modules
 //!
-//! `record` (codec), `segment` (segment files), `dir` (directory lock, fsync, listing), `meta`
+//! `record` (codec), `segment` (segment files), `dir` (directory lock, fsync, listing),
+//! [`Durability`] (the one way to create, rename and remove directory entries durably, and a
+//! power-loss simulation for tests), `meta`
 //! (`log.meta`), `recovery` (scan and cut), `state` (in-memory state and the group-commit
 //! rule), `flusher` (the writing thread), `log` (the public handle), `stats`, [`bench`](mod@bench).
 //!
@@ -45,6 +47,7 @@
 pub mod bench;
 mod config;
 mod dir;
+mod durable;
 mod error;
 mod flusher;
 mod log;
@@ -61,6 +64,7 @@ pub use crate::config::{
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_RECORD_SIZE, DEFAULT_SEGMENT_SIZE,
     DEFAULT_WRITE_BEHIND_BYTES,
 };
+pub use crate::durable::{Durability, PowerLoss};
 pub use crate::error::{LogError, Result};
 pub use crate::log::{ForceIntent, Log, SegmentInfo};
 pub use crate::lsn::{Lsn, RecordTag};

@@ -6,7 +6,6 @@
 //! held for short, non-blocking work.
 
 use std::fmt;
-use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -15,6 +14,7 @@ use parking_lot::Mutex;
 
 use crate::config::LogConfig;
 use crate::dir::{self, DirLock};
+use crate::durable::Durability;
 use crate::error::{LogError, Result};
 use crate::flusher::Flusher;
 use crate::lsn::{Lsn, RecordTag};
@@ -79,7 +79,7 @@ impl Log {
     /// are missing (see [`Recovered`] for what is merely cut), [`LogError::Io`] otherwise.
     pub fn open(config: LogConfig) -> Result<(Log, Recovered)> {
         config.validate()?;
-        dir::ensure_dir(&config.dir)?;
+        dir::ensure_dir(&config.durability, &config.dir)?;
         let lock = DirLock::acquire(&config.dir)?;
         let recovery = recovery::recover(&config)?;
 
@@ -234,9 +234,11 @@ impl Log {
     /// start is a no-op. Blocks on file I/O: call it from a blocking context.
     ///
     /// Errors: [`LogError::NotDurable`] if `lsn` lies beyond the durable prefix,
-    /// [`LogError::Poisoned`] / [`LogError::Closed`], [`LogError::Io`] if the meta file or a
-    /// deletion fails (the log stays consistent: an old start only means more to replay, and
-    /// recovery removes segments left below the start).
+    /// [`LogError::Poisoned`] / [`LogError::Closed`], [`LogError::Io`] if a deletion fails
+    /// (the log stays consistent: an old start only means more to replay, and recovery removes
+    /// segments left below the start). A failure to write `log.meta` or to fsync the
+    /// directory also poisons the log: what the directory holds after a failed fsync is
+    /// unknown, and retrying it could report success for entries already lost.
     pub fn truncate_before(&self, lsn: Lsn) -> Result<()> {
         let _serial = self.shared.truncate_lock.lock();
         let victims: Vec<u64> = {
@@ -265,12 +267,13 @@ impl Log {
                 .collect()
         };
         let dir = &self.shared.config.dir;
-        meta::write(dir, lsn.get())?;
+        let dur = &self.shared.config.durability;
+        meta::write(dur, dir, lsn.get()).map_err(|e| self.poison(e))?;
         let mut deleted = Vec::new();
         let mut failure = None;
         for &base in &victims {
             let p = segment::path(dir, base);
-            match fs::remove_file(&p) {
+            match dur.remove_file(&p) {
                 Ok(()) => deleted.push(base),
                 Err(e) => {
                     failure = Some(LogError::io(format!("deleting {}", p.display()), e));
@@ -279,7 +282,7 @@ impl Log {
             }
         }
         if !deleted.is_empty() {
-            dir::sync_dir(dir)?;
+            dir::sync_dir(dur, dir).map_err(|e| self.poison(e))?;
         }
         {
             let mut st = self.shared.state.lock();
@@ -288,6 +291,26 @@ impl Log {
         }
         add(&self.shared.counters.segments_deleted, deleted.len() as u64);
         failure.map_or(Ok(()), Err)
+    }
+
+    /// Poisons the log with `e` (the first poison wins), wakes every waiter and the flusher,
+    /// and hands `e` back.
+    fn poison(&self, e: LogError) -> LogError {
+        tracing::error!(error = %e, "log poisoned");
+        {
+            let mut st = self.shared.state.lock();
+            st.poisoned.get_or_insert_with(|| e.to_string());
+            self.shared.announce(&st);
+        }
+        self.shared.flusher_cv.notify_one();
+        e
+    }
+
+    /// How this log changes and syncs directory entries; resource managers that keep files
+    /// next to the log (snapshots) use the same seam.
+    #[must_use]
+    pub fn durability(&self) -> &Durability {
+        &self.shared.config.durability
     }
 
     /// The segment files of the log, oldest first; the last one is being written.

@@ -7,11 +7,11 @@
 //! Layout (little-endian): magic `b"WEFTMETA"` (8), version u32 (4), reserved u32 (4),
 //! first LSN u64 (8), CRC32C of bytes 0..24 (4), zero padding (4).
 
-use std::fs::{self, File};
+use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 use std::path::Path;
 
-use crate::dir::sync_dir;
+use crate::durable::Durability;
 use crate::error::{LogError, Result};
 use crate::lsn::Lsn;
 use crate::segment::{FORMAT_VERSION, TMP_SUFFIX};
@@ -64,7 +64,7 @@ pub(crate) fn read(dir: &Path) -> Result<Option<u64>> {
 
 /// Atomically replaces `dir/log.meta` with one recording `first_lsn`.
 /// Returns [`LogError::Io`] if any step fails; the old file then stays in force.
-pub(crate) fn write(dir: &Path, first_lsn: u64) -> Result<()> {
+pub(crate) fn write(dur: &Durability, dir: &Path, first_lsn: u64) -> Result<()> {
     let mut bytes = [0u8; META_LEN];
     bytes[0..8].copy_from_slice(&META_MAGIC);
     bytes[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -75,14 +75,15 @@ pub(crate) fn write(dir: &Path, first_lsn: u64) -> Result<()> {
     let path = dir.join(META_FILE);
     let tmp = dir.join(format!("{META_FILE}{TMP_SUFFIX}"));
     let ctx = |what: &str| format!("{what} {}", tmp.display());
-    let mut f = File::create(&tmp).map_err(|e| LogError::io(ctx("creating"), e))?;
+    let mut f = dur
+        .create_file(&tmp)
+        .map_err(|e| LogError::io(ctx("creating"), e))?;
     f.write_all(&bytes)
         .map_err(|e| LogError::io(ctx("writing"), e))?;
     f.sync_all().map_err(|e| LogError::io(ctx("syncing"), e))?;
     drop(f);
-    fs::rename(&tmp, &path)
-        .map_err(|e| LogError::io(format!("renaming {} into place", tmp.display()), e))?;
-    sync_dir(dir)
+    dur.rename(&tmp, &path)
+        .map_err(|e| LogError::io(format!("renaming {} into place", tmp.display()), e))
 }
 
 #[cfg(test)]
@@ -93,14 +94,15 @@ mod tests {
     fn meta_round_trips_and_damage_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(read(dir.path()).unwrap(), None);
-        write(dir.path(), 4096).unwrap();
+        let dur = Durability::new();
+        write(&dur, dir.path(), 4096).unwrap();
         assert_eq!(read(dir.path()).unwrap(), Some(4096));
-        write(dir.path(), 8192).unwrap();
+        write(&dur, dir.path(), 8192).unwrap();
         assert_eq!(read(dir.path()).unwrap(), Some(8192));
         let p = dir.path().join(META_FILE);
-        let mut bytes = fs::read(&p).unwrap();
+        let mut bytes = std::fs::read(&p).unwrap();
         bytes[17] ^= 1;
-        fs::write(&p, &bytes).unwrap();
+        std::fs::write(&p, &bytes).unwrap();
         assert!(matches!(read(dir.path()), Err(LogError::Corrupt { .. })));
     }
 }

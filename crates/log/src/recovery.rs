@@ -15,6 +15,7 @@ use bytes::Bytes;
 
 use crate::config::LogConfig;
 use crate::dir::{self, sync_dir};
+use crate::durable::Durability;
 use crate::error::{LogError, Result};
 use crate::lsn::{Lsn, RecordTag};
 use crate::meta;
@@ -143,12 +144,13 @@ pub(crate) struct Recovery {
 /// segment of a fresh log.
 ///
 /// Returns [`LogError::Corrupt`] when continuing would silently lose records the log must have
-/// (the segment holding the start is missing or has a bad header), [`LogError::Io`] when the
-/// directory cannot be read or repaired.
+/// (the segment holding the start is missing or has a bad header, or a segment file between
+/// two others is missing), [`LogError::Io`] when the directory cannot be read or repaired.
 pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
     let dir = config.dir.as_path();
+    let dur = &config.durability;
     let meta_start = meta::read(dir)?;
-    let bases = dir::scan(dir)?;
+    let bases = dir::scan(dur, dir)?;
 
     let Some(&oldest) = bases.first() else {
         if let Some(start) = meta_start.filter(|&s| s > 0) {
@@ -157,7 +159,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
                 reason: "log.meta records a start but no segment file exists".to_string(),
             });
         }
-        segment::create(dir, 0, config.segment_size, config.preallocate)?;
+        segment::create(dur, dir, 0, config.segment_size, config.preallocate)?;
         return Ok(Recovery {
             recovered: Recovered {
                 end_lsn: Lsn(SEGMENT_HEADER_LEN),
@@ -181,7 +183,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
         }
         n => n - 1,
     };
-    remove_stale(dir, &bases[..first])?;
+    remove_stale(dur, dir, &bases[..first])?;
 
     let mut out = Recovery {
         recovered: Recovered {
@@ -196,7 +198,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
     let mut removed_any = false;
     for &base in &bases[first..] {
         if out.recovered.tail_error.is_some() {
-            remove_after_cut(dir, base, &mut out.recovered)?;
+            remove_after_cut(dur, dir, base, &mut out.recovered)?;
             removed_any = true;
             continue;
         }
@@ -208,7 +210,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
             }
             SegmentScan::Rejected(reason) if prev_end.is_some() => {
                 out.recovered.tail_error = Some(reason);
-                remove_after_cut(dir, base, &mut out.recovered)?;
+                remove_after_cut(dur, dir, base, &mut out.recovered)?;
                 removed_any = true;
             }
             SegmentScan::Rejected(reason) => {
@@ -221,7 +223,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
                         reason,
                     });
                 };
-                segment::create(dir, base, config.segment_size, config.preallocate)?;
+                segment::create(dur, dir, base, config.segment_size, config.preallocate)?;
                 out.recovered.tail_error = Some(format!("{reason}; segment recreated empty"));
                 out.recovered.truncated_bytes += garbage;
                 out.segments.push(base);
@@ -231,7 +233,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
         }
     }
     if removed_any {
-        sync_dir(dir)?;
+        sync_dir(dur, dir)?;
     }
 
     let end = prev_end.expect("the first retained segment is kept or recovery failed");
@@ -240,7 +242,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
         // The cut went below the checkpointed start: those records are gone, so the log now
         // starts where it ends, and new records (from `end` on) must be replayed next time.
         tracing::warn!(start, end, "log tail cut below the recorded log start");
-        meta::write(dir, end)?;
+        meta::write(dur, dir, end)?;
         out.recovered.first_lsn = Lsn(end);
     }
     if let Some(reason) = &out.recovered.tail_error {
@@ -293,6 +295,22 @@ fn scan_segment(
             )))
         }
         Ok(_) => {}
+    }
+    if let Some(pe) = prev_end.filter(|&pe| pe < base) {
+        // A hole: the records in [pe, base) are in no file. Segments are created only after
+        // the previous one is synced and their entries are synced, so no crash leaves a hole;
+        // a segment file went missing (or the previous one lost its tail). Cutting here would
+        // delete this and every later segment, durable records included: refuse instead.
+        return Err(LogError::Corrupt {
+            lsn: Lsn(pe),
+            reason: format!(
+                "no segment holds {}..{}: the previous segment ends at {} but the next file \
+                 is {name}; refusing to delete it and the segments after it",
+                Lsn(pe),
+                Lsn(base),
+                Lsn(pe)
+            ),
+        });
     }
     if let Some(pe) = prev_end.filter(|&pe| pe != base) {
         return Ok(SegmentScan::Rejected(format!(
@@ -372,12 +390,13 @@ fn headerless_garbage(dir: &Path, base: u64) -> Result<Option<u64>> {
 }
 
 /// Removes a segment that lies after the cut, counting its size as truncated.
-fn remove_after_cut(dir: &Path, base: u64, rec: &mut Recovered) -> Result<()> {
+fn remove_after_cut(dur: &Durability, dir: &Path, base: u64, rec: &mut Recovered) -> Result<()> {
     let p = segment::path(dir, base);
     let len = fs::metadata(&p)
         .map_err(|e| LogError::io(format!("inspecting {}", p.display()), e))?
         .len();
-    fs::remove_file(&p).map_err(|e| LogError::io(format!("removing {}", p.display()), e))?;
+    dur.remove_file(&p)
+        .map_err(|e| LogError::io(format!("removing {}", p.display()), e))?;
     rec.truncated_bytes += len;
     rec.segments_removed += 1;
     Ok(())
@@ -385,14 +404,15 @@ fn remove_after_cut(dir: &Path, base: u64, rec: &mut Recovered) -> Result<()> {
 
 /// Removes segments wholly below the log start (left over when a crash interrupted
 /// `truncate_before` after it wrote `log.meta`).
-fn remove_stale(dir: &Path, bases: &[u64]) -> Result<()> {
+fn remove_stale(dur: &Durability, dir: &Path, bases: &[u64]) -> Result<()> {
     for &base in bases {
         let p = segment::path(dir, base);
-        fs::remove_file(&p).map_err(|e| LogError::io(format!("removing {}", p.display()), e))?;
+        dur.remove_file(&p)
+            .map_err(|e| LogError::io(format!("removing {}", p.display()), e))?;
         tracing::info!(segment = %p.display(), "removed segment below the log start");
     }
     if !bases.is_empty() {
-        sync_dir(dir)?;
+        sync_dir(dur, dir)?;
     }
     Ok(())
 }

@@ -17,12 +17,12 @@
 //! | 24     | 4    | reserved, 0                             |
 //! | 28     | 4    | CRC32C of bytes 0..28                   |
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::dir::sync_dir;
+use crate::durable::Durability;
 use crate::error::{LogError, Result};
 
 /// Bytes in a segment header; the first record of a segment starts right after it.
@@ -102,20 +102,22 @@ pub(crate) fn decode_header(bytes: &[u8]) -> std::result::Result<u64, String> {
 /// Creates the segment starting at `base` and returns it open for writing.
 ///
 /// The file is written under a temporary name (header, preallocation, fsync), renamed into
-/// place and the directory fsynced, so after a crash a `.wlog` file either does not exist or
-/// has a valid header. Returns [`LogError::Io`] if any step fails, and removes the temporary
-/// file on a best-effort basis.
-pub(crate) fn create(dir: &Path, base: u64, size: u64, preallocate: bool) -> Result<File> {
+/// place and the directory fsynced ([`Durability::rename`]), so after a crash a `.wlog` file
+/// either does not exist or has a valid header. Returns [`LogError::Io`] if any step fails,
+/// and removes the temporary file on a best-effort basis.
+pub(crate) fn create(
+    dur: &Durability,
+    dir: &Path,
+    base: u64,
+    size: u64,
+    preallocate: bool,
+) -> Result<File> {
     let final_path = path(dir, base);
     let tmp_path = dir.join(format!("{}{TMP_SUFFIX}", file_name(base)));
     let ctx = |what: &str| format!("{what} segment {}", final_path.display());
     let result = (|| {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp_path)
+        let file = dur
+            .create_file(&tmp_path)
             .map_err(|e| LogError::io(ctx("creating"), e))?;
         if preallocate {
             allocate(&file, size).map_err(|e| LogError::io(ctx("preallocating"), e))?;
@@ -124,12 +126,12 @@ pub(crate) fn create(dir: &Path, base: u64, size: u64, preallocate: bool) -> Res
             .map_err(|e| LogError::io(ctx("writing the header of"), e))?;
         file.sync_all()
             .map_err(|e| LogError::io(ctx("syncing the new"), e))?;
-        fs::rename(&tmp_path, &final_path).map_err(|e| LogError::io(ctx("renaming"), e))?;
-        sync_dir(dir)?;
+        dur.rename(&tmp_path, &final_path)
+            .map_err(|e| LogError::io(ctx("renaming (and syncing the directory of)"), e))?;
         Ok(file)
     })();
     if result.is_err() {
-        let _ = fs::remove_file(&tmp_path);
+        let _ = dur.remove_file(&tmp_path);
     }
     result
 }

@@ -224,3 +224,24 @@ fn torn_header_of_the_only_segment_starts_afresh_but_damaged_data_is_refused() {
         other => panic!("expected Corrupt, got {other:?}"),
     }
 }
+
+#[test]
+fn a_missing_segment_between_two_others_is_refused_not_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny(dir.path());
+    let written = write_and_close(&config);
+    let bases = segment_bases(dir.path());
+    assert!(bases.len() >= 3);
+    let missing = segment_path(dir.path(), bases[1]);
+    std::fs::remove_file(&missing).unwrap();
+    match weft_log::Log::open(config) {
+        Err(LogError::Corrupt { lsn, reason }) => {
+            assert_eq!(lsn, bases[1]);
+            assert!(reason.contains(&format!("{:016x}.wlog", bases[2].get())), "{reason}");
+        }
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    // Nothing was deleted: the later segments are still there for an operator.
+    assert_eq!(segment_bases(dir.path()).len(), bases.len() - 1);
+    assert!(written.len() > 1);
+}

@@ -23,7 +23,7 @@ mod node;
 pub use node::{Node, NodeBuilder, NodeError};
 pub use weft_group as group;
 pub use weft_kv as kv;
-pub use weft_log::{Log, LogConfig, Lsn};
+pub use weft_log::{Durability, Log, LogConfig, Lsn, PowerLoss};
 pub use weft_rpc::{
     CallContext, Handler, ParticipationClass, Plugin, Rpc, RpcConfig, ServiceInfo, ServiceOptions,
     SubTransaction, Transaction,

@@ -13,7 +13,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use weft_log::{Log, LogConfig};
+use weft_log::{Durability, Log, LogConfig};
 use weft_rpc::{Plugin, Rpc, RpcConfig, ServiceOptions, Transaction};
 use weft_transport::{ChannelSet, Endpoint, FaultPlan, InprocHub, Seed, TransportConfig};
 use weft_tx::{RecoveryReport, TmConfig, TxManager};
@@ -236,15 +236,20 @@ impl NodeBuilder {
                 (t.path().to_path_buf(), Some(t))
             }
         };
-        std::fs::create_dir_all(&dir).map_err(|e| NodeError::DataDir {
-            dir: dir.clone(),
-            reason: e.to_string(),
-        })?;
-        let incarnation = next_incarnation(&dir)?;
         let mut log_cfg = LogConfig::new(dir.join("log"));
         if let Some(f) = self.log_tuning {
             log_cfg = f(log_cfg);
         }
+        // The data directory's own entry (and any parent created for it) must
+        // survive power loss like everything inside it.
+        let durability = log_cfg.durability.clone();
+        durability
+            .create_dir_all(&dir)
+            .map_err(|e| NodeError::DataDir {
+                dir: dir.clone(),
+                reason: e.to_string(),
+            })?;
+        let incarnation = next_incarnation(&durability, &dir)?;
         let (log, recovered) = Log::open(log_cfg)?;
         if recovered.was_cut() {
             tracing::warn!(
@@ -337,7 +342,7 @@ impl NodeBuilder {
 
 /// Reads the incarnation stored in `dir`, stores the next one durably and
 /// returns it (1 for a new directory).
-fn next_incarnation(dir: &Path) -> Result<Incarnation, NodeError> {
+fn next_incarnation(durability: &Durability, dir: &Path) -> Result<Incarnation, NodeError> {
     let path = dir.join("incarnation");
     let err = |reason: String| NodeError::DataDir {
         dir: dir.to_path_buf(),
@@ -357,14 +362,15 @@ fn next_incarnation(dir: &Path) -> Result<Incarnation, NodeError> {
     let tmp = dir.join("incarnation.tmp");
     {
         use std::io::Write;
-        let mut f = std::fs::File::create(&tmp).map_err(|e| err(e.to_string()))?;
+        let mut f = durability
+            .create_file(&tmp)
+            .map_err(|e| err(e.to_string()))?;
         writeln!(f, "{next}").map_err(|e| err(e.to_string()))?;
         f.sync_all().map_err(|e| err(e.to_string()))?;
     }
-    std::fs::rename(&tmp, &path).map_err(|e| err(e.to_string()))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| err(format!("cannot sync the directory: {e}")))?;
+    durability
+        .rename(&tmp, &path)
+        .map_err(|e| err(format!("cannot store the incarnation durably: {e}")))?;
     Ok(Incarnation(next))
 }
 

@@ -415,6 +415,64 @@ async fn committed_writes_survive_a_crash_and_restart_from_the_data_directory() 
     tx.commit().await.unwrap();
 }
 
+/// Issue 16: the first checkpoint creates `<data>/kv`; a power loss that
+/// drops every directory entry never fsynced must leave the snapshot (and
+/// the data directory itself) in place, and a node whose log starts past its
+/// snapshot must refuse to start instead of coming up empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_survives_power_loss_and_a_log_past_its_snapshot_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("data");
+    let sim = weft::PowerLoss::new();
+    let hub = weft::InprocHub::new();
+    let plan = Arc::new(weft::FaultPlan::new(216));
+    let start = || {
+        let d = weft::Durability::simulated(&sim);
+        builder(2, &hub, &plan)
+            .data_dir(dir.clone())
+            .log_config(move |c| c.durability(d))
+            .plugin(Arc::new(Kv::new(KvConfig::default())))
+            .join(weft::Seed::Inproc(NodeId(1)))
+            .start()
+    };
+    let n1 = builder(1, &hub, &plan).start().await.unwrap();
+    let n2 = start().await.unwrap();
+    let tx = n1.begin();
+    kv(&tx, 2, vec![Op::Put(b("before"), b("checkpoint"))])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    wait_for("applied", Duration::from_secs(2), || {
+        n2.tm().list().is_empty()
+    })
+    .await;
+    let start_lsn = n2.checkpoint().unwrap();
+    assert!(start_lsn.get() > 0, "the checkpoint truncated the log");
+    n2.crash();
+    drop(n2);
+    let dropped = sim.crash().unwrap();
+    assert!(dropped.is_empty(), "unsynced entries: {dropped:#?}");
+
+    let n2 = start().await.unwrap();
+    let tx = n1.begin();
+    assert_eq!(get(&tx, 2, "before").await.unwrap(), Some(b("checkpoint")));
+    tx.commit().await.unwrap();
+    n2.crash();
+    drop(n2);
+
+    // The snapshot is gone but the log says it starts past it: refuse, loudly.
+    let snapshot = dir.join("kv").join("kv.snapshot");
+    std::fs::remove_file(&snapshot).unwrap();
+    let err = match start().await {
+        Ok(_) => panic!("a node whose log starts past its snapshot started"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("refusing to start") && err.contains(&snapshot.display().to_string()),
+        "{err}"
+    );
+}
+
 /// A resource whose commit takes a scheduling round before it applies.
 struct SlowApply(Arc<std::sync::atomic::AtomicBool>);
 

@@ -13,7 +13,9 @@
 //! ```
 //!
 //! Owns encoding and decoding. The decoder returns a typed [`DecodeError`] for
-//! every malformed input and must never panic, whatever the bytes.
+//! every malformed input and must never panic, whatever the bytes. Every
+//! head has one encoding: a varint that is not minimal, or that exceeds its
+//! type, is [`DecodeError::Varint`], never accepted.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use crate::frame::*;
 use crate::heads::{self, RequestHead, ResponseHead};
 use crate::ids::ServiceName;
-use crate::payload::{encode_postcard, EncodeError, Payload};
+use crate::payload::{encode_postcard, is_canonical, EncodeError, Payload};
 use crate::status::Status;
 use crate::txctx::MAX_BAGGAGE_ENTRIES;
 
@@ -181,6 +183,15 @@ pub enum DecodeError {
         /// The budget.
         cap: usize,
     },
+    /// A head holds a varint that is not in its one valid form. The stream
+    /// cannot be trusted after it (the sender's encoder is broken).
+    #[error("{kind:?} head: a varint {problem}")]
+    Varint {
+        /// The frame kind.
+        kind: FrameKind,
+        /// What is wrong with it.
+        problem: VarintError,
+    },
     /// A whole, checksummed Request whose head does not decode (an invalid
     /// service name, say), though its call id does: the frame was consumed,
     /// the stream is still in step, and the caller can be answered
@@ -192,6 +203,19 @@ pub enum DecodeError {
         /// The decoder's complaint.
         reason: String,
     },
+}
+
+/// What is wrong with a varint in a frame head (see docs/wire.md §2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VarintError {
+    /// Not the shortest encoding of its value: it ends in a `0x00` byte
+    /// after a continuation byte (`0x80 0x00` for 0, `0x81 0x00` for 1).
+    #[error("is overlong (not the shortest encoding of its value)")]
+    Overlong,
+    /// Longer than its type allows (more than 3, 5 or 10 bytes for a u16,
+    /// u32 or u64) or its value does not fit the type.
+    #[error("exceeds the range of its type")]
+    OutOfRange,
 }
 
 impl DecodeError {
@@ -549,13 +573,21 @@ fn decode_checked(bytes: Bytes, integrity: Integrity) -> Result<Frame, DecodeErr
     decode_body(kind, body)
 }
 
-/// Decodes a postcard head from the front of `body`; returns it and the rest.
-fn head<T: DeserializeOwned>(kind: FrameKind, body: &Bytes) -> Result<(T, Bytes), DecodeError> {
+/// Decodes a postcard head from the front of `body`, accepting overlong
+/// varints; returns it and the rest. Only for heads the caller checks.
+fn head_lenient<T: DeserializeOwned>(
+    kind: FrameKind,
+    body: &Bytes,
+) -> Result<(T, Bytes), DecodeError> {
     match postcard::take_from_bytes::<T>(body) {
         Ok((v, rest)) => {
             let used = body.len() - rest.len();
             Ok((v, body.slice(used..)))
         }
+        Err(postcard::Error::DeserializeBadVarint) => Err(DecodeError::Varint {
+            kind,
+            problem: VarintError::OutOfRange,
+        }),
         Err(e) => Err(DecodeError::Body {
             kind,
             reason: e.to_string(),
@@ -563,8 +595,30 @@ fn head<T: DeserializeOwned>(kind: FrameKind, body: &Bytes) -> Result<(T, Bytes)
     }
 }
 
+/// Decodes a postcard head from the front of `body`; returns it and the rest.
+/// Fails with [`DecodeError::Varint`] unless the bytes it took are the
+/// head's one canonical encoding.
+fn head<T: DeserializeOwned + Serialize>(
+    kind: FrameKind,
+    body: &Bytes,
+) -> Result<(T, Bytes), DecodeError> {
+    let (v, rest) = head_lenient::<T>(kind, body)?;
+    let used = body.len() - rest.len();
+    if !is_canonical(&v, &body[..used]) {
+        return Err(overlong(kind));
+    }
+    Ok((v, rest))
+}
+
+fn overlong(kind: FrameKind) -> DecodeError {
+    DecodeError::Varint {
+        kind,
+        problem: VarintError::Overlong,
+    }
+}
+
 /// Decodes a head that must fill the whole body.
-fn whole<T: DeserializeOwned>(kind: FrameKind, body: &Bytes) -> Result<T, DecodeError> {
+fn whole<T: DeserializeOwned + Serialize>(kind: FrameKind, body: &Bytes) -> Result<T, DecodeError> {
     let (v, rest) = head::<T>(kind, body)?;
     if !rest.is_empty() {
         return Err(DecodeError::Trailing {
@@ -585,7 +639,16 @@ fn decode_body(kind: FrameKind, body: Bytes) -> Result<Frame, DecodeError> {
         FrameKind::Request => {
             let (h, rest) = match heads::read_request_head(&body) {
                 Some((h, used)) => (h, body.slice(used..)),
-                None => head::<RequestHead>(kind, &body).map_err(|e| bad_request(e, &body))?,
+                None => {
+                    // The strict fast reader declined; postcard words the
+                    // error, and what it accepts must still be canonical.
+                    let (h, rest) = head_lenient::<RequestHead>(kind, &body)
+                        .map_err(|e| bad_request(e, &body))?;
+                    if !heads::request_head_is_canonical(&h, &body[..body.len() - rest.len()]) {
+                        return Err(overlong(kind));
+                    }
+                    (h, rest)
+                }
             };
             let entries = h.tx.as_ref().map_or(0, |tx| tx.baggage.0.len());
             if entries > MAX_BAGGAGE_ENTRIES {
@@ -610,7 +673,13 @@ fn decode_body(kind: FrameKind, body: Bytes) -> Result<Frame, DecodeError> {
         FrameKind::Response => {
             let (h, rest) = match heads::read_response_head(&body) {
                 Some((h, used)) => (h, body.slice(used..)),
-                None => head::<ResponseHead>(kind, &body)?,
+                None => {
+                    let (h, rest) = head_lenient::<ResponseHead>(kind, &body)?;
+                    if !heads::response_head_is_canonical(&h, &body[..body.len() - rest.len()]) {
+                        return Err(overlong(kind));
+                    }
+                    (h, rest)
+                }
             };
             Frame::Response(Response {
                 call_id: h.call_id,

@@ -12,15 +12,18 @@
 //! Owns that fast path. Must never produce or accept anything postcard would
 //! not: the writer yields postcard's bytes exactly, and the reader answers
 //! `None` (the caller then asks postcard, which also words the error)
-//! wherever it is not sure, so that both agree on every input. The property
-//! tests below hold them to it.
+//! wherever it is not sure, so that both agree on every input. The reader is
+//! stricter than postcard in one way: it declines overlong (non-minimal)
+//! varints, which the caller then refuses ([`request_head_is_canonical`]).
+//! The property tests below hold them to it.
 
 use bytes::BytesMut;
 use serde::Deserialize;
 
 use crate::frame::{Request, Response};
 use crate::ids::{NodeId, ServiceName};
-use crate::payload::{encode_postcard, EncodeError};
+use crate::payload::Payload;
+use crate::payload::{encode_postcard, is_canonical, EncodeError};
 use crate::status::Status;
 use crate::txctx::{TxContext, TxReturn};
 
@@ -152,6 +155,36 @@ pub(crate) fn read_response_head(body: &[u8]) -> Option<(ResponseHead, usize)> {
     Some((head, r.pos))
 }
 
+/// True when `bytes` are exactly the encoding of `h` (every varint minimal).
+/// For heads the fast reader declined; allocates.
+pub(crate) fn request_head_is_canonical(h: &RequestHead, bytes: &[u8]) -> bool {
+    let r = Request {
+        call_id: h.call_id,
+        service: h.service.clone(),
+        instance: h.instance,
+        node: h.node,
+        budget_us: h.budget_us,
+        tx: h.tx.clone(),
+        flags: h.flags,
+        payload: Payload::Bytes(bytes::Bytes::new()),
+    };
+    let mut out = BytesMut::new();
+    write_request_head(&r, &mut out).is_ok() && out[..] == *bytes
+}
+
+/// [`request_head_is_canonical`] for a Response's head.
+pub(crate) fn response_head_is_canonical(h: &ResponseHead, bytes: &[u8]) -> bool {
+    let r = Response {
+        call_id: h.call_id,
+        status: h.status,
+        detail: h.detail.clone(),
+        tx: h.tx.clone(),
+        payload: Payload::Bytes(bytes::Bytes::new()),
+    };
+    let mut out = BytesMut::new();
+    write_response_head(&r, &mut out).is_ok() && out[..] == *bytes
+}
+
 /// Room of the stack buffer a head is written into: a request head without
 /// a transaction context (at most 102 bytes with a 64-byte service name)
 /// fits whole.
@@ -244,7 +277,8 @@ impl<'a> HeadReader<'a> {
 
     /// A varint of at most `max_bytes` bytes whose last byte is at most
     /// `last_max` when it uses all of them (postcard's rule against values
-    /// that overflow the type).
+    /// that overflow the type), and whose last byte is not zero unless it is
+    /// the only one (the rule against overlong encodings postcard lacks).
     #[inline(always)]
     fn varint(&mut self, max_bytes: usize, last_max: u8) -> Option<u64> {
         let mut out = 0u64;
@@ -252,7 +286,7 @@ impl<'a> HeadReader<'a> {
             let v = self.byte()?;
             out |= u64::from(v & 0x7f) << (7 * i);
             if v & 0x80 == 0 {
-                if i == max_bytes - 1 && v > last_max {
+                if (i == max_bytes - 1 && v > last_max) || (i > 0 && v == 0) {
                     return None;
                 }
                 return Some(out);
@@ -285,10 +319,15 @@ impl<'a> HeadReader<'a> {
         Some(s)
     }
 
-    fn postcard<T: serde::de::DeserializeOwned>(&mut self) -> Option<T> {
+    /// A postcard value, declined unless its bytes are its canonical form.
+    fn postcard<T: serde::de::DeserializeOwned + serde::Serialize>(&mut self) -> Option<T> {
         let rest = self.b.get(self.pos..)?;
         let (v, after) = postcard::take_from_bytes::<T>(rest).ok()?;
-        self.pos += rest.len() - after.len();
+        let used = rest.len() - after.len();
+        if !is_canonical(&v, &rest[..used]) {
+            return None;
+        }
+        self.pos += used;
         Some(v)
     }
 }
@@ -510,9 +549,11 @@ mod tests {
         let long = [0x80, 0x80, 0x80, 0x80, 0x80, 0x00];
         assert_eq!(HeadReader { b: &long, pos: 0 }.varint_u32(), None);
         assert!(postcard::from_bytes::<u32>(&long).is_err());
-        // A non-minimal encoding is accepted by both.
+        // A non-minimal encoding: postcard accepts it, the fast reader
+        // declines it (and the codec then refuses it).
         let padded = [0x81, 0x00];
-        assert_eq!(HeadReader { b: &padded, pos: 0 }.varint_u64(), Some(1));
+        assert_eq!(HeadReader { b: &padded, pos: 0 }.varint_u64(), None);
         assert_eq!(postcard::from_bytes::<u64>(&padded).ok(), Some(1));
+        assert_eq!(HeadReader { b: &[0x00], pos: 0 }.varint_u64(), Some(0));
     }
 }

@@ -18,7 +18,7 @@ pub mod txctx;
 pub use codec::{
     decode_exact, decode_frame, decode_frame_with, encode_frame, encode_frame_with, encode_message,
     encode_message_with, peek_kind, DecodeError, Integrity, Limits, MessageEncodeError,
-    Reassembler, ReassemblyBudget,
+    Reassembler, ReassemblyBudget, VarintError,
 };
 pub use frame::{
     Auth, Fragment, Frame, FrameKind, Goodbye, Heartbeat, Hello, Message, PeerRole, Port, Refused,

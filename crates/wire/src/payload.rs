@@ -89,6 +89,49 @@ pub fn encode_postcard<T: Serialize + ?Sized>(
     })
 }
 
+/// postcard output flavor that writes nothing and compares every byte with
+/// the bytes a value was decoded from.
+struct CompareFlavor<'a> {
+    expect: &'a [u8],
+    pos: usize,
+    same: bool,
+}
+
+impl postcard::ser_flavors::Flavor for CompareFlavor<'_> {
+    type Output = bool;
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.same &= self.expect.get(self.pos) == Some(&data);
+        self.pos += 1;
+        Ok(())
+    }
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        let end = self.pos + data.len();
+        self.same &= self.expect.get(self.pos..end) == Some(data);
+        self.pos = end;
+        Ok(())
+    }
+    fn finalize(self) -> postcard::Result<bool> {
+        Ok(self.same && self.pos == self.expect.len())
+    }
+}
+
+/// True when `bytes` are exactly postcard's encoding of `value`: the one
+/// canonical form, in which every varint is minimal. postcard's decoder also
+/// accepts overlong varints (`0x80 0x00` for 0); comparing the re-encoding
+/// with what was read is how the wire codec refuses them. Writes and
+/// allocates nothing.
+pub(crate) fn is_canonical<T: Serialize + ?Sized>(value: &T, bytes: &[u8]) -> bool {
+    postcard::serialize_with_flavor(
+        value,
+        CompareFlavor {
+            expect: bytes,
+            pos: 0,
+            same: true,
+        },
+    )
+    .unwrap_or(false)
+}
+
 /// Decodes a whole postcard value from `bytes`; trailing bytes are an error.
 ///
 /// Fails with [`PayloadError::Decode`] on malformed input.

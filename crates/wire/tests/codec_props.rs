@@ -647,3 +647,315 @@ fn request_with_context_has_a_stable_encoding() {
 }
 
 const GOLDEN_REQUEST: &str = include_str!("golden_request.hex");
+
+// ---------------------------------------------------------------------------
+// Varints have one encoding (docs/wire.md §2): overlong (non-minimal) and
+// over-range varints in any head are DecodeError::Varint, never accepted.
+
+/// A postcard writer for heads whose `pad`-th varint (counting from 0) is
+/// written `extra` bytes longer than it needs (`0x80` continuation bytes,
+/// then a final `0x00`).
+struct PadWriter {
+    out: Vec<u8>,
+    seen: usize,
+    pad: usize,
+    extra: usize,
+}
+
+impl PadWriter {
+    fn new(pad: usize, extra: usize) -> Self {
+        PadWriter {
+            out: Vec::new(),
+            seen: 0,
+            pad,
+            extra,
+        }
+    }
+    fn varint(&mut self, mut v: u64) {
+        let mut bytes = Vec::new();
+        while v >= 0x80 {
+            bytes.push(v as u8 | 0x80);
+            v >>= 7;
+        }
+        bytes.push(v as u8);
+        if self.seen == self.pad && self.extra > 0 {
+            *bytes.last_mut().unwrap() |= 0x80;
+            bytes.extend(std::iter::repeat_n(0x80, self.extra - 1));
+            bytes.push(0x00);
+        }
+        self.seen += 1;
+        self.out.extend_from_slice(&bytes);
+    }
+    fn byte(&mut self, b: u8) {
+        self.out.push(b);
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.varint(b.len() as u64);
+        self.out.extend_from_slice(b);
+    }
+    fn tx(&mut self, tx: &TxContext) {
+        self.varint(u64::from(tx.tid.node.0));
+        self.varint(u64::from(tx.tid.incarnation.0));
+        self.varint(tx.tid.seq);
+        self.varint(tx.path.0.len() as u64);
+        for &p in &tx.path.0 {
+            self.varint(u64::from(p));
+        }
+        self.option(tx.budget_us);
+        self.varint(tx.baggage.0.len() as u64);
+        for item in &tx.baggage.0 {
+            self.bytes(item.key.as_bytes());
+            self.bytes(&item.value);
+        }
+    }
+    fn option(&mut self, v: Option<u64>) {
+        match v {
+            None => self.byte(0),
+            Some(v) => {
+                self.byte(1);
+                self.varint(v);
+            }
+        }
+    }
+}
+
+/// A whole frame of `kind` around `body`, checksummed.
+fn frame_of(kind: u8, body: &[u8]) -> BytesMut {
+    let mut out = BytesMut::new();
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&[VERSION, kind]);
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(body);
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[0..8]), &out[HEADER_LEN..]);
+    out[8..12].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// The head of `r` with its `pad`-th varint padded by `extra` bytes.
+fn padded_request_head(r: &Request, pad: usize, extra: usize) -> (Vec<u8>, usize) {
+    let mut w = PadWriter::new(pad, extra);
+    w.varint(r.call_id);
+    w.bytes(r.service.as_str().as_bytes());
+    w.varint(u64::from(r.instance));
+    w.varint(u64::from(r.node.0));
+    w.option(r.budget_us);
+    match &r.tx {
+        None => w.byte(0),
+        Some(tx) => {
+            w.byte(1);
+            w.tx(tx);
+        }
+    }
+    w.varint(u64::from(r.flags));
+    (w.out, w.seen)
+}
+
+fn padded_response_head(r: &Response, pad: usize, extra: usize) -> (Vec<u8>, usize) {
+    let mut w = PadWriter::new(pad, extra);
+    w.varint(r.call_id);
+    w.varint(u64::from(r.status.code()));
+    w.bytes(r.detail.as_bytes());
+    match &r.tx {
+        None => w.byte(0),
+        Some(tx) => {
+            w.byte(1);
+            w.varint(tx.baggage.0.len() as u64);
+            for item in &tx.baggage.0 {
+                w.bytes(item.key.as_bytes());
+                w.bytes(&item.value);
+            }
+            w.byte(u8::from(tx.aborted));
+        }
+    }
+    (w.out, w.seen)
+}
+
+fn arb_request() -> impl Strategy<Value = Request> {
+    (
+        any::<u64>(),
+        arb_name(),
+        any::<u32>(),
+        any::<u32>(),
+        any::<Option<u64>>(),
+        prop::option::of(arb_txctx()),
+        any::<u32>(),
+    )
+        .prop_map(
+            |(call_id, service, instance, node, budget_us, tx, flags)| Request {
+                call_id,
+                service,
+                instance,
+                node: NodeId(node),
+                budget_us,
+                tx: tx.map(Box::new),
+                flags,
+                payload: Payload::Bytes(Bytes::new()),
+            },
+        )
+}
+
+fn arb_response() -> impl Strategy<Value = Response> {
+    (
+        any::<u64>(),
+        arb_status(),
+        ".{0,20}",
+        prop::option::of((arb_baggage(), any::<bool>())),
+    )
+        .prop_map(|(call_id, status, detail, tx)| Response {
+            call_id,
+            status,
+            detail,
+            tx: tx.map(|(baggage, aborted)| Box::new(TxReturn { baggage, aborted })),
+            payload: Payload::Bytes(Bytes::new()),
+        })
+}
+
+fn expect_varint_error(
+    bytes: BytesMut,
+    want: VarintError,
+    what: &str,
+) -> Result<(), TestCaseError> {
+    match decode_exact(bytes.freeze(), &Limits::default()) {
+        Err(DecodeError::Varint { problem, .. }) => {
+            prop_assert_eq!(problem, want, "{}", what);
+            Ok(())
+        }
+        other => Err(TestCaseError::fail(format!(
+            "{what}: expected a {want:?} varint error, got {other:?}"
+        ))),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_test_writer_without_padding_is_the_codec(r in arb_request(), s in arb_response()) {
+        let (head, _) = padded_request_head(&r, usize::MAX, 0);
+        let mut want = encode(&Frame::Request(r));
+        prop_assert_eq!(&frame_of(4, &head)[..], &want.split_to(want.len())[..]);
+        let (head, _) = padded_response_head(&s, usize::MAX, 0);
+        prop_assert_eq!(&frame_of(5, &head)[..], &encode(&Frame::Response(s))[..]);
+    }
+
+    #[test]
+    fn an_overlong_varint_anywhere_in_a_request_head_is_refused(
+        r in arb_request(),
+        pad in any::<prop::sample::Index>(),
+        extra in 1usize..3,
+    ) {
+        let (_, count) = padded_request_head(&r, usize::MAX, 0);
+        let k = pad.index(count);
+        let (head, _) = padded_request_head(&r, k, extra);
+        // A padded varint can exceed its type's length; then it is out of
+        // range rather than overlong. Both are refused.
+        match decode_exact(frame_of(4, &head).freeze(), &Limits::default()) {
+            Err(DecodeError::Varint { kind: FrameKind::Request, .. }) => {}
+            other => prop_assert!(false, "varint {k} of {count} padded by {extra}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_overlong_varint_anywhere_in_a_response_head_is_refused(
+        r in arb_response(),
+        pad in any::<prop::sample::Index>(),
+        extra in 1usize..3,
+    ) {
+        let (_, count) = padded_response_head(&r, usize::MAX, 0);
+        let k = pad.index(count);
+        let (head, _) = padded_response_head(&r, k, extra);
+        match decode_exact(frame_of(5, &head).freeze(), &Limits::default()) {
+            Err(DecodeError::Varint { kind: FrameKind::Response, .. }) => {}
+            other => prop_assert!(false, "varint {k} of {count} padded by {extra}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_small_varint_padded_by_one_byte_is_overlong(call_id in 0u64..(1 << 56), r in arb_request()) {
+        // call_id leads the head; padded by one byte it still fits 10 bytes.
+        let r = Request { call_id, ..r };
+        let (head, _) = padded_request_head(&r, 0, 1);
+        expect_varint_error(frame_of(4, &head), VarintError::Overlong, "request call id")?;
+    }
+
+    #[test]
+    fn the_first_varint_of_every_other_head_padded_is_refused(frame in arb_frame()) {
+        // Request and Response heads have their own tests; Auth has no varint.
+        if matches!(frame, Frame::Request(_) | Frame::Response(_) | Frame::Auth(_)) {
+            return Ok(());
+        }
+        let bytes = encode(&frame);
+        let mut body = bytes[HEADER_LEN..].to_vec();
+        let end = body.iter().position(|b| b & 0x80 == 0).unwrap();
+        body[end] |= 0x80;
+        body.insert(end + 1, 0x00);
+        let bad = frame_of(bytes[3], &body);
+        if end < 2 {
+            // Padded, it still fits the shortest type (u16: three bytes).
+            expect_varint_error(bad, VarintError::Overlong, &format!("{frame:?}"))?;
+        } else {
+            match decode_exact(bad.freeze(), &Limits::default()) {
+                Err(DecodeError::Varint { .. }) => {}
+                other => prop_assert!(false, "{:?}: {:?}", frame, other),
+            }
+        }
+    }
+
+    #[test]
+    fn over_range_varints_are_refused(r in arb_request(), big in (1u64 << 32)..(1u64 << 35), code in (1u64 << 16)..(1u64 << 21)) {
+        // `instance` is a u32: a five-byte varint above u32::MAX.
+        let mut w = PadWriter::new(usize::MAX, 0);
+        w.varint(r.call_id);
+        w.bytes(r.service.as_str().as_bytes());
+        w.varint(big);
+        w.varint(u64::from(r.node.0));
+        w.byte(0);
+        w.byte(0);
+        w.varint(0);
+        expect_varint_error(frame_of(4, &w.out), VarintError::OutOfRange, "instance")?;
+        // A Response's status is a u16: a three-byte varint above u16::MAX.
+        let mut w = PadWriter::new(usize::MAX, 0);
+        w.varint(1);
+        w.varint(code);
+        w.bytes(b"");
+        w.byte(0);
+        expect_varint_error(frame_of(5, &w.out), VarintError::OutOfRange, "status")?;
+    }
+}
+
+#[test]
+fn zero_and_the_edges_of_each_length_are_minimal_and_accepted() {
+    for v in [
+        0u64,
+        1,
+        127,
+        128,
+        16383,
+        16384,
+        u64::from(u32::MAX),
+        u64::MAX,
+    ] {
+        let frame = Frame::Heartbeat(Heartbeat {
+            seq: v,
+            reply: false,
+        });
+        assert_eq!(
+            decode_exact(encode(&frame).freeze(), &Limits::default()).unwrap(),
+            frame
+        );
+    }
+    // 0 as `0x80 0x00`: the shortest overlong form.
+    let body = [0x80, 0x00, 0x00];
+    match decode_exact(frame_of(7, &body).freeze(), &Limits::default()) {
+        Err(
+            e @ DecodeError::Varint {
+                kind: FrameKind::Heartbeat,
+                problem: VarintError::Overlong,
+            },
+        ) => {
+            assert_eq!(e.status(), Status::ProtocolError);
+        }
+        other => panic!("expected an overlong varint error, got {other:?}"),
+    }
+}
