@@ -20,6 +20,7 @@ use weft_wire::{Address, Failure, Incarnation, NodeId, ServiceName, Status};
 
 use crate::client::{parse_duration, Client, ClientOpts};
 use crate::node_cmd::{announce, wait_for_signal, NodeArgs};
+use crate::raid_acks::Acks;
 
 /// `weft raid` subcommands.
 #[derive(clap::Subcommand, Debug)]
@@ -65,6 +66,16 @@ pub enum RaidCmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Write one JSON line per transaction the client was told
+        /// committed (time, answering site, request) to this file.
+        #[arg(long)]
+        acks: Option<std::path::PathBuf>,
+    },
+    /// Print the committed history rows of the site --node points at, one
+    /// JSON line each, in key order.
+    History {
+        #[command(flatten)]
+        client: ClientOpts,
     },
     /// Audit every copy: sum of accounts = tellers = branches = history.
     Audit {
@@ -210,6 +221,7 @@ pub async fn cluster_counters(opts: &ClientOpts) -> anyhow::Result<(u64, u64)> {
 
 /// Runs DebitCredit clients against a multi-process cluster: each client
 /// talks to one site's action driver over its own connection.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_remote(
     opts: &ClientOpts,
     mode: Mode,
@@ -218,6 +230,7 @@ pub async fn run_remote(
     duration: Duration,
     seed: u64,
     progress: Arc<AtomicU64>,
+    acks: Option<Arc<Acks>>,
 ) -> anyhow::Result<RunReport> {
     let gateway = Client::connect(opts).await?;
     let list = site_infos(&gateway).await;
@@ -244,11 +257,17 @@ pub async fn run_remote(
             }
         };
         let ad = service(AD_SERVICE, s.id);
+        let acks = acks.clone();
         runners.push(move |req: AdRequest| {
             let c = c.clone();
             let ad = ad.clone();
+            let acks = acks.clone();
             async move {
+                let asked = acks.is_some().then(|| req.clone());
                 let r: Result<weft_raid::AdReply, Failure> = c.call(&ad, req, None).await;
+                if let (Some(acks), Some(req), Ok(_)) = (acks, asked, &r) {
+                    acks.record(s.id, &req);
+                }
                 r.map(|r| r.0)
             }
         });
@@ -346,10 +365,11 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             });
             let n = node
                 .builder()?
-                .plugin(Arc::new(site))
+                .plugin(Arc::new(site.clone()))
                 .start()
                 .await
                 .context("the site did not start")?;
+            crate::raid_acks::serve_history(&n, site)?;
             announce(&n);
             wait_for_signal().await;
             n.shutdown().await;
@@ -378,7 +398,9 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             duration,
             seed,
             json,
+            acks,
         } => {
+            let acks = acks.as_deref().map(Acks::create).transpose()?;
             let before = site_counters(&client).await?;
             let progress = Arc::new(AtomicU64::new(0));
             let bar = crate::bench::progress("running");
@@ -394,8 +416,21 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
                     ));
                 }
             });
-            let r = run_remote(&client, mode, scale, clients, duration, seed, progress).await?;
+            let r = run_remote(
+                &client,
+                mode,
+                scale,
+                clients,
+                duration,
+                seed,
+                progress,
+                acks.clone(),
+            )
+            .await?;
             ticker.abort();
+            if let Some(a) = &acks {
+                a.finish()?;
+            }
             let after = site_counters(&client).await?;
             let (msgs, forces) = counters_delta(&before, &after);
             let per = |x: u64| {
@@ -417,6 +452,12 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
                 print_results(&r, n, Some(per(msgs)), Some(per(forces)));
             }
             Ok(())
+        }
+        RaidCmd::History { client } => {
+            let c = Client::connect(&client).await?;
+            let rows = crate::raid_acks::print_history(&c).await;
+            c.close().await;
+            rows.map(|_| ())
         }
         RaidCmd::Audit { client, json } => {
             let c = Client::connect(&client).await?;
