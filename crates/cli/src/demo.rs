@@ -231,6 +231,7 @@ async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resul
         args.duration,
         args.seed,
         progress,
+        None,
     )
     .await?;
     ticker.abort();

@@ -9,6 +9,7 @@ mod demo;
 mod group_cmd;
 mod kv_cmd;
 mod node_cmd;
+mod raid_acks;
 mod raid_cmd;
 mod status_cmd;
 mod tx_cmd;

@@ -20,6 +20,7 @@ use weft_wire::{Address, Failure, Incarnation, NodeId, ServiceName, Status};
 
 use crate::client::{parse_duration, Client, ClientOpts, Redial};
 use crate::node_cmd::{announce, wait_for_signal, NodeArgs};
+use crate::raid_acks::Acks;
 
 /// `weft raid` subcommands.
 #[derive(clap::Subcommand, Debug)]
@@ -65,6 +66,16 @@ pub enum RaidCmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Write one JSON line per transaction the client was told
+        /// committed (time, answering site, request) to this file.
+        #[arg(long)]
+        acks: Option<std::path::PathBuf>,
+    },
+    /// Print the committed history rows of the site --node points at, one
+    /// JSON line each, in key order.
+    History {
+        #[command(flatten)]
+        client: ClientOpts,
     },
     /// Audit every copy: sum of accounts = tellers = branches = history.
     Audit {
@@ -244,6 +255,7 @@ pub async fn cluster_counters(opts: &ClientOpts) -> anyhow::Result<(u64, u64)> {
 
 /// Runs DebitCredit clients against a multi-process cluster: each client
 /// talks to one site's action driver over its own connection.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_remote(
     opts: &ClientOpts,
     mode: Mode,
@@ -252,6 +264,7 @@ pub async fn run_remote(
     duration: Duration,
     seed: u64,
     progress: Arc<AtomicU64>,
+    acks: Option<Arc<Acks>>,
 ) -> anyhow::Result<RunReport> {
     let gateway = Client::connect(opts).await?;
     let list = site_infos(&gateway).await;
@@ -284,11 +297,17 @@ pub async fn run_remote(
         let c = Arc::new(Redial::new(site_opts, format!("site {}", s.id), first));
         links.push(c.clone());
         let ad = service(AD_SERVICE, s.id);
+        let acks = acks.clone();
         runners.push(move |req: AdRequest| {
             let c = c.clone();
             let ad = ad.clone();
+            let acks = acks.clone();
             async move {
+                let asked = acks.is_some().then(|| req.clone());
                 let r: Result<weft_raid::AdReply, Failure> = c.call(&ad, req, None).await;
+                if let (Some(acks), Some(req), Ok(_)) = (acks, asked, &r) {
+                    acks.record(s.id, &req);
+                }
                 r.map(|r| r.0)
             }
         });
@@ -429,8 +448,9 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
                 action_timeout,
                 ..SiteConfig::default()
             });
-            let b = node.builder()?.plugin(Arc::new(site));
+            let b = node.builder()?.plugin(Arc::new(site.clone()));
             let n = node.start(b).await?;
+            crate::raid_acks::serve_history(&n, site)?;
             announce(&n);
             wait_for_signal().await;
             n.shutdown().await;
@@ -459,15 +479,30 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             duration,
             seed,
             json,
+            acks,
         } => {
+            let acks = acks.as_deref().map(Acks::create).transpose()?;
             let c = Client::connect(&client).await?;
             let n = sites(&c).await?.len();
             c.close().await;
             let before = site_counters(&client).await?;
             let progress = Arc::new(AtomicU64::new(0));
             let ticker = spawn_progress(progress.clone());
-            let r = run_remote(&client, mode, scale, clients, duration, seed, progress).await?;
+            let r = run_remote(
+                &client,
+                mode,
+                scale,
+                clients,
+                duration,
+                seed,
+                progress,
+                acks.clone(),
+            )
+            .await?;
             ticker.abort();
+            if let Some(a) = &acks {
+                a.finish()?;
+            }
             // The clients' own counts are the report; the sites' counters
             // only add to it. A gateway down at the end loses those, not
             // the report.
@@ -503,6 +538,12 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
                 }
             }
             Ok(())
+        }
+        RaidCmd::History { client } => {
+            let c = Client::connect(&client).await?;
+            let rows = crate::raid_acks::print_history(&c).await;
+            c.close().await;
+            rows.map(|_| ())
         }
         RaidCmd::Audit { client, json } => {
             let c = Client::connect(&client).await?;

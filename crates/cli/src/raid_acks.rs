@@ -1,0 +1,206 @@
+//! What a chaos run checks the copies against: the acknowledgement log that
+//! `weft raid run --acks FILE` writes (one JSON line per transaction the
+//! client was told committed), and the history rows of one copy, read
+//! through the `raid-history` service that `weft raid site` adds and printed
+//! by `weft raid history`.
+//!
+//! A DebitCredit transaction's answer does not carry its tid, so an
+//! acknowledgement records the request itself: a tpcb request appends
+//! exactly one history row holding its account, teller, branch and delta,
+//! and the checker matches acknowledgements to rows by those fields (as a
+//! multiset: every acknowledged request needs a row of its own).
+//!
+//! Owns the two line formats and the read path. Must only ever read
+//! committed state, and keep every reply within one frame (pages of at
+//! most [`PAGE_MAX`] rows).
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use weft::ServiceOptions;
+use weft_raid::schema::HistoryRow;
+use weft_raid::{AdRequest, RaidSite, Relation};
+use weft_wire::{Failure, NodeId, Status};
+
+use crate::client::Client;
+
+/// The service of a site that pages through its committed history rows.
+pub const HISTORY_SERVICE: &str = "raid-history";
+/// Most rows in one page (50-byte rows: far below a frame).
+pub const PAGE_MAX: u32 = 4096;
+
+/// A request for the history rows whose key is above `after`, in key order.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HistoryPage {
+    /// Rows with keys above this one (all rows when `None`).
+    pub after: Option<u64>,
+    /// At most this many (clamped to [`PAGE_MAX`]).
+    pub limit: u32,
+}
+
+/// One committed history row of a copy, as `weft raid history` prints it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HistoryLine {
+    /// The history key (a hash of the tid and the update's index).
+    pub key: u64,
+    /// The transaction that wrote it.
+    pub tid: String,
+    /// `history` for a tpcb row, else the relation a raid-mode row updated.
+    pub rel: String,
+    /// Account (tpcb) or tuple (raid mode).
+    pub aid: u64,
+    /// Teller (tpcb).
+    pub teller: u64,
+    /// Branch (tpcb).
+    pub branch: u64,
+    /// The amount.
+    pub delta: i64,
+}
+
+/// One acknowledged transaction, as `weft raid run --acks` writes it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AckLine {
+    /// When the client got the answer, ms since the Unix epoch.
+    pub ms: u64,
+    /// The site whose action driver answered.
+    pub site: NodeId,
+    /// What committed.
+    pub req: AdRequest,
+}
+
+/// Adds the history service to a running site.
+///
+/// Fails like `Node::register`.
+pub fn serve_history(node: &weft::Node, site: RaidSite) -> Result<(), Failure> {
+    node.register(
+        HISTORY_SERVICE,
+        ServiceOptions::no_state(),
+        move |_ctx, page: HistoryPage| {
+            let site = site.clone();
+            async move { Ok(history_page(&site, &page)) }
+        },
+    )
+}
+
+fn history_page(site: &RaidSite, page: &HistoryPage) -> Vec<(u64, HistoryRow)> {
+    let limit = page.limit.clamp(1, PAGE_MAX) as usize;
+    // Keys are the prefix byte, then the key big-endian: key order.
+    site.store()
+        .committed_with_prefix(&[Relation::History.prefix()])
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let key = u64::from_be_bytes(k.get(1..9)?.try_into().ok()?);
+            Some((key, v))
+        })
+        .filter(|(key, _)| page.after.is_none_or(|a| *key > a))
+        .take(limit)
+        .filter_map(|(key, v)| Some((key, HistoryRow::decode(&v)?)))
+        .collect()
+}
+
+/// Prints every committed history row of the site `client` is connected to,
+/// one JSON line each, in key order.
+///
+/// Fails when a page cannot be had.
+pub async fn print_history(client: &Client) -> anyhow::Result<u64> {
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let mut after = None;
+    let mut rows = 0;
+    loop {
+        let page: Vec<(u64, HistoryRow)> = client
+            .call_here(
+                HISTORY_SERVICE,
+                HistoryPage {
+                    after,
+                    limit: PAGE_MAX,
+                },
+            )
+            .await
+            .map_err(|f| {
+                if f.status == Status::NoSuchService {
+                    anyhow::anyhow!("{f} (is it a `weft raid site`?)")
+                } else {
+                    f.into()
+                }
+            })?;
+        let Some((last, _)) = page.last() else {
+            break;
+        };
+        after = Some(*last);
+        for (key, row) in page {
+            rows += 1;
+            let line = HistoryLine {
+                key,
+                tid: row.tid.to_string(),
+                rel: row.rel.name().to_string(),
+                aid: row.aid,
+                teller: row.tid_key,
+                branch: row.bid,
+                delta: row.delta,
+            };
+            serde_json::to_writer(&mut out, &line)?;
+            out.write_all(b"\n")?;
+        }
+    }
+    out.flush()?;
+    Ok(rows)
+}
+
+/// Where `weft raid run --acks` writes its acknowledgements.
+pub struct Acks {
+    out: Mutex<std::io::BufWriter<std::fs::File>>,
+    /// The first write error, reported by `finish`.
+    error: Mutex<Option<String>>,
+}
+
+impl Acks {
+    /// Creates (truncates) `path`.
+    ///
+    /// Fails when the file cannot be created.
+    pub fn create(path: &Path) -> anyhow::Result<Arc<Acks>> {
+        let f = std::fs::File::create(path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        Ok(Arc::new(Acks {
+            out: Mutex::new(std::io::BufWriter::new(f)),
+            error: Mutex::new(None),
+        }))
+    }
+
+    /// Records that `site` answered `req` committed.
+    pub fn record(&self, site: NodeId, req: &AdRequest) {
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or_default();
+        let line = AckLine {
+            ms,
+            site,
+            req: req.clone(),
+        };
+        let mut out = self.out.lock();
+        // Each line reaches the file at once, so that a reader sees every
+        // acknowledgement so far even if this process is killed.
+        let written = serde_json::to_writer(&mut *out, &line)
+            .map_err(|e| e.to_string())
+            .and_then(|()| out.write_all(b"\n").map_err(|e| e.to_string()))
+            .and_then(|()| out.flush().map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            self.error.lock().get_or_insert(e);
+        }
+    }
+
+    /// Flushes the file.
+    ///
+    /// Fails when a write failed.
+    pub fn finish(&self) -> anyhow::Result<()> {
+        if let Some(e) = self.error.lock().clone() {
+            anyhow::bail!("writing the acks file: {e}");
+        }
+        self.out.lock().flush().context("writing the acks file")
+    }
+}
