@@ -237,7 +237,10 @@ fn a_missing_segment_between_two_others_is_refused_not_cut() {
     match weft_log::Log::open(config) {
         Err(LogError::Corrupt { lsn, reason }) => {
             assert_eq!(lsn, bases[1]);
-            assert!(reason.contains(&format!("{:016x}.wlog", bases[2].get())), "{reason}");
+            assert!(
+                reason.contains(&format!("{:016x}.wlog", bases[2].get())),
+                "{reason}"
+            );
         }
         other => panic!("expected Corrupt, got {other:?}"),
     }
