@@ -284,12 +284,24 @@ pub async fn run_remote(
         let c = Arc::new(Redial::new(site_opts, format!("site {}", s.id), first));
         links.push(c.clone());
         let ad = service(AD_SERVICE, s.id);
+        let id = s.id;
         runners.push(move |req: AdRequest| {
             let c = c.clone();
             let ad = ad.clone();
             async move {
                 let r: Result<weft_raid::AdReply, Failure> = c.call(&ad, req, None).await;
-                r.map(|r| r.0)
+                r.map(|r| r.0).map_err(|f| match f.status {
+                    // Reconnected to a site still starting: its process is
+                    // up, its Raid services not yet.
+                    Status::NoSuchService => Failure::new(
+                        Status::ProcDead,
+                        format!(
+                            "site {id} does not serve its action driver yet: {}",
+                            f.detail
+                        ),
+                    ),
+                    _ => f,
+                })
             }
         });
     }

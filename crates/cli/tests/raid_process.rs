@@ -404,8 +404,8 @@ fn a_killed_site_fails_transactions_clearly_and_recovers_with_a_passing_audit() 
     println!("seeds of the runs: {SEEDS:?}");
     let mut c = Cluster::start();
     let inc = |i3: u64| [(1, Some(1)), (2, Some(1)), (3, Some(i3))];
-    // Every site must know every copy before a transaction runs: an action
-    // driver writes the copies its own view lists.
+    // Every site must be known before the load: the load names the copies
+    // the gateway knows in every copy's placement.
     for at in 1..=3 {
         c.wait_view(at, &inc(1), Duration::from_secs(20));
     }
@@ -768,6 +768,9 @@ fn clients_ride_out_restarts_and_audits_name_every_copy() {
     );
     let v = report("run across site 3's restart", &d);
     assert!(count(&v, "committed") > 0, "{v}");
+    // A client back on site 3 before its Raid services are: ProcDead, as
+    // for any copy not served, not NoSuchService.
+    assert!(v["aborts"].get("NoSuchService").is_none(), "{v}");
     // Without a terminal, a progress line every few seconds on stderr.
     let progress: Vec<&str> = d
         .err

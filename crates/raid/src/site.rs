@@ -344,7 +344,9 @@ impl RaidSite {
         })?;
         // A copy that is not loaded is no copy yet: writing to it would
         // make it differ from the others.
-        self.placement()?;
+        if self.inner.placement.get().is_none() {
+            self.placement()?;
+        }
         self.execute(&tx.xid(), req.0, ctx.deadline())
             .await
             .map(SiteReply)
