@@ -3,7 +3,8 @@
 //! against them, `audit` checks the books on every copy.
 //!
 //! Owns the multi-process forms of the demo's steps and the shared printing
-//! of DebitCredit results. Must exit non-zero when the audit fails.
+//! of DebitCredit results. Must exit non-zero when the audit fails, and
+//! an audit fails when it could not see every copy of the placement.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
