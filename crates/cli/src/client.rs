@@ -332,6 +332,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_failure_anywhere_in_the_chain_sets_the_exit_code() {
+        let refused = anyhow::Error::new(Failure::new(Status::ProcDead, "connection refused"))
+            .context("cannot connect to 127.0.0.1:1");
+        assert_eq!(exit_code_of(&refused), 3);
+        let secret = anyhow::Error::new(Failure::new(Status::WrongSecret, "no"))
+            .context("a")
+            .context("b");
+        assert_eq!(exit_code_of(&secret), 5);
+        assert_eq!(exit_code_of(&anyhow!("the audit failed")), 1);
+    }
+
+    #[test]
     fn durations() {
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));

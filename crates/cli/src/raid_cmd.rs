@@ -3,7 +3,8 @@
 //! against them, `audit` checks the books on every copy.
 //!
 //! Owns the multi-process forms of the demo's steps and the shared printing
-//! of DebitCredit results. Must exit non-zero when the audit fails.
+//! of DebitCredit results. Must exit non-zero when the audit fails, and
+//! an audit fails when it could not see every copy of the placement.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -298,6 +299,7 @@ pub async fn run_remote(
         links.push(c.clone());
         let ad = service(AD_SERVICE, s.id);
         let acks = acks.clone();
+        let id = s.id;
         runners.push(move |req: AdRequest| {
             let c = c.clone();
             let ad = ad.clone();
@@ -306,9 +308,20 @@ pub async fn run_remote(
                 let asked = acks.is_some().then(|| req.clone());
                 let r: Result<weft_raid::AdReply, Failure> = c.call(&ad, req, None).await;
                 if let (Some(acks), Some(req), Ok(_)) = (acks, asked, &r) {
-                    acks.record(s.id, &req);
+                    acks.record(id, &req);
                 }
-                r.map(|r| r.0)
+                r.map(|r| r.0).map_err(|f| match f.status {
+                    // Reconnected to a site still starting: its process is
+                    // up, its Raid services not yet.
+                    Status::NoSuchService => Failure::new(
+                        Status::ProcDead,
+                        format!(
+                            "site {id} does not serve its action driver yet: {}",
+                            f.detail
+                        ),
+                    ),
+                    _ => f,
+                })
             }
         });
     }

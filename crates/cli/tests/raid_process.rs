@@ -404,8 +404,8 @@ fn a_killed_site_fails_transactions_clearly_and_recovers_with_a_passing_audit() 
     println!("seeds of the runs: {SEEDS:?}");
     let mut c = Cluster::start();
     let inc = |i3: u64| [(1, Some(1)), (2, Some(1)), (3, Some(i3))];
-    // Every site must know every copy before a transaction runs: an action
-    // driver writes the copies its own view lists.
+    // Every site must be known before the load: the load names the copies
+    // the gateway knows in every copy's placement.
     for at in 1..=3 {
         c.wait_view(at, &inc(1), Duration::from_secs(20));
     }
@@ -645,6 +645,13 @@ fn tm_stat(c: &Cluster, id: u32, key: &str) -> Option<u64> {
     c.status(id)?["transactions"]["stats"][key].as_u64()
 }
 
+/// Requests site `id` sent: a site sends requests only as an action
+/// driver (shipping a write, reading its copy), that is, only when a
+/// client calls it.
+fn requests_sent(c: &Cluster, id: u32) -> Option<u64> {
+    c.status(id)?["transport"]["requests"].as_u64()
+}
+
 /// `weft raid audit --json` through site `at`: exit code and report.
 fn audit(c: &Cluster, at: u32) -> (i32, Value, String) {
     let (code, out, err) = run(
@@ -704,9 +711,10 @@ fn clients_ride_out_restarts_and_audits_name_every_copy() {
     assert_eq!(code, 0, "load failed: {out}{err}");
 
     // 1. A raid-mode run with a client at each site. Site 3 is killed and
-    // restarted under it: read-only transactions submitted at site 3 begin
-    // there, so site 3's new incarnation begins transactions again only if
-    // the run reconnects to it. (The load began transactions there too.)
+    // restarted under it: its new incarnation sends requests (as an action
+    // driver) only if the run reconnects to it (checked in step 4: a site
+    // restarted without clients sends none). (The load began transactions
+    // at site 3 too.)
     let loaded = tm_stat(&c, 3, "begun").expect("site 3 answers");
     let mut bg = Bg::spawn(&[
         "raid",
@@ -735,7 +743,7 @@ fn clients_ride_out_restarts_and_audits_name_every_copy() {
     assert!(ready.contains("incarnation 2"), "{ready}");
     let restarted = bg.started.elapsed();
     let deadline = Instant::now() + Duration::from_secs(8);
-    while tm_stat(&c, 3, "begun").is_none_or(|n| n == 0) {
+    while requests_sent(&c, 3).is_none_or(|n| n == 0) {
         if Instant::now() >= deadline || !bg.running() {
             let d = bg.finish(Duration::from_secs(30));
             panic!(
@@ -751,8 +759,18 @@ fn clients_ride_out_restarts_and_audits_name_every_copy() {
         (bg.started.elapsed() - restarted).as_secs_f64()
     );
     let d = bg.finish(Duration::from_secs(30));
+    let lost = d.err.find("weft: lost the link to site 3");
+    let back = d.err.find("weft: connected to site 3");
+    assert!(
+        lost.is_some() && back > lost,
+        "the run reconnected to site 3:\n{}",
+        d.err
+    );
     let v = report("run across site 3's restart", &d);
     assert!(count(&v, "committed") > 0, "{v}");
+    // A client back on site 3 before its Raid services are: ProcDead, as
+    // for any copy not served, not NoSuchService.
+    assert!(v["aborts"].get("NoSuchService").is_none(), "{v}");
     // Without a terminal, a progress line every few seconds on stderr.
     let progress: Vec<&str> = d
         .err
@@ -812,6 +830,8 @@ fn clients_ride_out_restarts_and_audits_name_every_copy() {
     for at in 1..=3 {
         c.wait_view(at, &all, Duration::from_secs(20));
     }
+    // Nothing to coordinate, no clients: a restarted site sends no request.
+    assert_eq!(requests_sent(&c, 3), Some(0));
     let before = tm_stat(&c, 3, "begun").expect("site 3 answers");
     let mut bg = Bg::spawn(&[
         "raid",

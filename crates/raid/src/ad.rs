@@ -120,7 +120,7 @@ enum Claimed {
 /// HostDead; one whose process does not serve its copy (its Raid services
 /// absent, still starting, or its copy not loaded) is ProcDead. Other
 /// failures keep their status.
-fn copy_unavailable(site: NodeId, f: Failure) -> Failure {
+pub(crate) fn copy_unavailable(site: NodeId, f: Failure) -> Failure {
     let status = match f.status {
         Status::AddrError => Status::HostDead,
         Status::NoSuchService | Status::Unavailable => Status::ProcDead,

@@ -349,7 +349,9 @@ impl RaidSite {
         })?;
         // A copy that is not loaded is no copy yet: writing to it would
         // make it differ from the others.
-        self.placement()?;
+        if self.inner.placement.get().is_none() {
+            self.placement()?;
+        }
         self.execute(&tx.xid(), req.0, ctx.deadline())
             .await
             .map(SiteReply)
@@ -439,7 +441,18 @@ impl Plugin for RaidSite {
             ServiceOptions::no_state(),
             move |_ctx, req: crate::ad::Shipped| {
                 let site = site.clone();
-                async move { Ok(site.loaded_ad()?.run_shipped(req).await) }
+                async move {
+                    // A first copy that is not loaded did not run it: say
+                    // so (the shipping AD would otherwise ask again until
+                    // its timeout, then call it in doubt).
+                    Ok(match site.loaded_ad() {
+                        Ok(ad) => ad.run_shipped(req).await,
+                        Err(f) => crate::ad::ShippedReply::Done(Err(crate::ad::copy_unavailable(
+                            me_of(&site),
+                            f,
+                        ))),
+                    })
+                }
             },
         )?;
         let site = self.clone();
@@ -469,6 +482,11 @@ impl Plugin for RaidSite {
     fn checkpoint(&self, log: &Log) -> Result<Option<Lsn>, Failure> {
         self.inner.kv.checkpoint(log)
     }
+}
+
+/// The node a serving site runs on.
+fn me_of(site: &RaidSite) -> weft_wire::NodeId {
+    site.inner.rpc.get().map(Rpc::node_id).unwrap_or_default()
 }
 
 /// The item a KV key stores.

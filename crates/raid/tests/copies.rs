@@ -243,3 +243,33 @@ async fn a_copy_that_is_not_loaded_takes_no_writes() {
     assert_eq!(history_rows(&c, 0), 0);
     assert_eq!(history_rows(&c, 1), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_shipped_to_a_first_copy_that_is_not_loaded_fails_at_once() {
+    let c = RaidCluster::start(2, &std::env::temp_dir(), ClusterOptions::default())
+        .await
+        .unwrap();
+    // Only site 2's copy is loaded: its writes ship to site 1, which
+    // cannot run them.
+    let site = c.sites[1].clone();
+    weft_raid::load::load_store(
+        c.nodes[1].rpc(),
+        site.store(),
+        site.participant_handle(),
+        LoadRequest {
+            sizes: small(),
+            sites: vec![NodeId(1), NodeId(2)],
+        },
+    )
+    .await
+    .unwrap();
+    let f = c.sites[1]
+        .loaded_ad()
+        .unwrap()
+        .run(tpcb(4))
+        .await
+        .unwrap_err();
+    assert_eq!(f.status, Status::ProcDead, "{f}");
+    assert!(c.quiesce(Duration::from_secs(20)).await);
+    assert_eq!(history_rows(&c, 1), 0);
+}
