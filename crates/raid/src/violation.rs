@@ -272,6 +272,9 @@ impl Violations {
                 if let Some(reason) = st.doomed.get(&t) {
                     parts.push(format!("doomed: {reason}"));
                 }
+                if parts.is_empty() {
+                    parts.push("a dependency entry with no writer left".to_string());
+                }
                 (t, format!("violation: {}", parts.join("; ")))
             })
             .collect()
