@@ -10,10 +10,17 @@
 //! and the decision's trip back; with violation, the next transaction's work
 //! and prepare force overlap the previous one's commit.
 //!
+//! A writer bound to abort (one whose own writers aborted) lends nothing:
+//! whoever locks its items waits for its abort instead of joining the
+//! cascade, and an abort dooms every transaction downstream of it at once.
+//!
 //! Owns the prepared writers of this site's items and the dependencies
 //! between transactions. Must never let a dependent's vote leave before all
 //! its writers committed here, nor forget that a writer aborted while a
-//! dependent of it may still vote.
+//! dependent of it may still vote, nor keep anything for a transaction
+//! after [`Violations::decided`] (the transaction manager calls it again for
+//! whatever overlapped the abort; [`Violations::registrations`] shows what
+//! is left).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -271,6 +278,9 @@ impl Violations {
                 }
                 if let Some(reason) = st.doomed.get(&t) {
                     parts.push(format!("doomed: {reason}"));
+                }
+                if parts.is_empty() {
+                    parts.push("a dependency entry with no writer left".to_string());
                 }
                 (t, format!("violation: {}", parts.join("; ")))
             })

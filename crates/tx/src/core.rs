@@ -209,6 +209,10 @@ impl TxCore {
         core.durable_here = true;
         core.own_record_durable = true;
         core.phase = Phase::Prepared;
+        // In doubt like any prepared branch: it asks after the retry period,
+        // not after the orphan check of an active one (what its resources
+        // hold, e.g. items in controlled lock violation, waits for it).
+        core.wait = cfg.retry;
         for (node, incarnation) in children {
             core.children.insert(
                 node,
@@ -235,6 +239,7 @@ impl TxCore {
         core.durable_here = true;
         core.own_record_durable = true;
         core.phase = Phase::Committing;
+        core.wait = cfg.retry;
         for (node, incarnation) in children {
             core.children.insert(
                 node,

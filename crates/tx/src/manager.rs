@@ -1477,7 +1477,22 @@ impl TmInner {
             TxMsg::VoteAfter { vote, after, .. } => {
                 let vote = match self.committed_here(tid, &after).await {
                     Ok(()) => vote,
-                    Err(reason) => Vote::No(reason),
+                    Err((dep, reason)) => {
+                        // The participant named `dep` as undecided: it has
+                        // not heard of its abort (the notice is lost or on
+                        // its way), and until it does, whoever locks what
+                        // `dep` wrote there uses its writes and is doomed.
+                        // What an inquiry would answer, said now.
+                        self.send(
+                            from,
+                            TxMsg::Abort {
+                                tid: dep,
+                                status: Status::Aborted,
+                                reason: format!("{dep} aborted at its coordinator"),
+                            },
+                        );
+                        Vote::No(reason)
+                    }
                 };
                 Input::Vote { from, vote }
             }
@@ -1622,15 +1637,17 @@ impl TmInner {
     /// At the coordinator: waits until each of `after` has its commit record
     /// in this node's log, so that `tid`'s own record follows theirs.
     ///
-    /// Fails with the reason `tid` must abort: one of them aborted, or is
-    /// not known here (presumed aborted).
-    async fn committed_here(&self, tid: Tid, after: &[Tid]) -> Result<(), String> {
+    /// Fails with the reason `tid` must abort: one of them (named) aborted,
+    /// or is not known here (presumed aborted).
+    async fn committed_here(&self, tid: Tid, after: &[Tid]) -> Result<(), (Tid, String)> {
         for &dep in after {
             loop {
                 let Some(slot) = self.slot(dep) else {
                     match self.tombstones.lock().outcome(dep) {
                         Some(Some(Outcome::Committed)) => break,
-                        _ => return Err(format!("{tid} used writes of {dep}, which aborted")),
+                        _ => {
+                            return Err((dep, format!("{tid} used writes of {dep}, which aborted")))
+                        }
                     }
                 };
                 let notified = slot.decided.notified();
@@ -1642,7 +1659,7 @@ impl TmInner {
                         break;
                     }
                     if st.outcome == Some(Outcome::Aborted) {
-                        return Err(format!("{tid} used writes of {dep}, which aborted"));
+                        return Err((dep, format!("{tid} used writes of {dep}, which aborted")));
                     }
                 }
                 // Decisions notify; the timeout only guards a lost wake-up.
@@ -2143,5 +2160,72 @@ mod tests {
         assert_eq!(err.status, Status::Aborted, "{err}");
         eventually("the prepared branch is undone", || !res.holds(ctx.tid)).await;
         assert!(tm.list().is_empty(), "{:?}", tm.list());
+    }
+
+    /// Collects the protocol messages a node without a transaction manager
+    /// receives.
+    #[derive(Default)]
+    struct Capture(parking_lot::Mutex<Vec<TxMsg>>);
+
+    impl PortHandler for Capture {
+        fn on_message(&self, _from: PeerRef, payload: Payload) {
+            if let Ok(m) = payload.decode::<TxMsg>() {
+                self.0.lock().push(m);
+            }
+        }
+    }
+
+    /// Issue 16 item 10: a participant whose vote names a transaction that
+    /// aborted at the coordinator has evidently not heard of that abort
+    /// (meanwhile its items stay in violation mode and doom whoever uses
+    /// them). The coordinator tells it, along with the abort of the voter.
+    #[tokio::test]
+    async fn a_vote_naming_an_aborted_transaction_brings_its_voter_both_aborts() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let hub = InprocHub::new();
+        let (_e1, tm) = node(1, &hub, dir.path()).await;
+        let tm = tm.expect("node 1 has a transaction manager");
+        let (e2, _) = node(2, &hub, dir.path()).await;
+        let seen = Arc::new(Capture::default());
+        e2.set_port_handler(Port::TX, seen.clone());
+
+        let writer = tm.begin(None).tid;
+        tm.abort(writer, "test").await.expect("aborted");
+        let ctx = tm.begin(None);
+        tm.on_call_out(&ctx, NodeId(2)).expect("active");
+        let committing = tokio::spawn({
+            let tm = tm.clone();
+            async move { tm.commit(ctx.tid).await }
+        });
+        eventually("node 2 is asked to prepare", || {
+            seen.0
+                .lock()
+                .iter()
+                .any(|m| matches!(m, TxMsg::Prepare { .. }))
+        })
+        .await;
+        e2.send(
+            NodeId(1),
+            Port::TX,
+            Payload::local(TxMsg::VoteAfter {
+                tid: ctx.tid,
+                vote: Vote::Yes { durable: true },
+                after: vec![writer],
+            }),
+        )
+        .expect("sent");
+        let err = committing.await.expect("joined").unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "{err}");
+        let aborted = |t: Tid| {
+            let seen = seen.clone();
+            move || {
+                seen.0
+                    .lock()
+                    .iter()
+                    .any(|m| matches!(m, TxMsg::Abort { tid, .. } if *tid == t))
+            }
+        };
+        eventually("node 2 hears the writer's abort", aborted(writer)).await;
+        eventually("node 2 hears its own transaction's abort", aborted(ctx.tid)).await;
     }
 }

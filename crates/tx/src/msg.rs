@@ -143,7 +143,8 @@ pub enum TxMsg {
     /// A participant's vote that holds only if the named transactions,
     /// which have the same coordinator and whose writes it used, commit:
     /// the coordinator decides only after its log holds their commit
-    /// records (and aborts when one aborted).
+    /// records (and aborts when one aborted, sending the voter that one's
+    /// abort as well as its own).
     VoteAfter {
         /// The transaction.
         tid: Tid,

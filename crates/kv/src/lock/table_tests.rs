@@ -506,3 +506,21 @@ fn waiting_key_names_the_queue() {
     assert_eq!(table.waiting_key(w), None);
     assert!(t(1).is_ancestor_of(&t(1).child(0)));
 }
+
+#[test]
+fn families_holding_lists_holders_not_waiters() {
+    let mut table = Table::new();
+    granted(table.acquire(t(1), "a", X));
+    granted(table.acquire(t(1), "b", S));
+    granted(table.acquire(t(2), "b", S));
+    queued(table.acquire(t(3), "a", S));
+    let mut held = table.families_holding();
+    held.sort();
+    assert_eq!(held, vec![(1, 2), (2, 1)], "family 3 only waits");
+    let woken = table.release_all(&1);
+    assert_eq!(woken.granted.len(), 1, "family 3 is granted");
+    let mut held = table.families_holding();
+    held.sort();
+    assert_eq!(held, vec![(2, 1), (3, 1)]);
+    ok(&table);
+}

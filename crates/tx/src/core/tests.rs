@@ -461,6 +461,20 @@ fn in_doubt_branches_ignore_local_aborts_and_dead_parents() {
     assert!(acts.contains(&Action::CommitLocal));
 }
 
+#[test]
+fn a_branch_recovered_in_doubt_asks_after_the_retry_period() {
+    let cfg = CoreConfig::default();
+    let t0 = Instant::now();
+    let mut core = TxCore::recovered_prepared(tid(), n(1), vec![], cfg);
+    assert!(core.step(Input::Tick(t0)).is_empty(), "the first tick arms");
+    let acts = core.step(Input::Tick(t0 + cfg.retry));
+    assert_eq!(
+        acts,
+        vec![Action::Send(n(1), TxMsg::Inquire { tid: tid() })],
+        "asked like any prepared branch, not after the orphan check"
+    );
+}
+
 /// Runs one transaction over a random tree with random local votes, with
 /// random delivery order, losses and duplicates, ticking time forward, and
 /// checks atomicity: no node both commits and aborts, every node that
