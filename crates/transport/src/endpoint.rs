@@ -1041,6 +1041,13 @@ impl Inner {
         if peer.role == PeerRole::Client {
             return;
         }
+        if link.kind() == ChannelKind::Shm {
+            // Said once per link: shared memory ignores the network between
+            // the two, so no network partition cuts this link.
+            tracing::info!(node = %self.cfg.node, peer = %peer.node,
+                "linked over shared memory (same host and network namespace; \
+                 channels.shm = false, or WEFT_SHM=off for the weft binary, to use TCP)");
+        }
         let mut restarted = None;
         let mut revived = false;
         let (queued, stale) = {
