@@ -1050,9 +1050,11 @@ impl Inner {
         }
         let mut restarted = None;
         let mut revived = false;
-        let (queued, stale) = {
+        let (queued, stale, after_a_gap) = {
             let mut peers = self.peers.lock();
             let entry = peers.entry(peer.node).or_default();
+            let after_a_gap =
+                entry.incarnation.is_some() && !entry.links.iter().any(|l| !l.is_closed());
             let mut stale = Vec::new();
             match entry.incarnation {
                 Some(old) if old != peer.incarnation => {
@@ -1081,8 +1083,11 @@ impl Inner {
             } else {
                 VecDeque::new()
             };
-            (queued, stale)
+            (queued, stale, after_a_gap && restarted.is_none())
         };
+        if after_a_gap {
+            self.resync_after_gap(link, peer.node);
+        }
         for old in stale {
             old.close(Status::ProcDead, "peer restarted");
         }
@@ -1651,6 +1656,33 @@ impl Inner {
         }
     }
 
+    /// Called when a member is linked to again after a time without any
+    /// link: naming messages sent meanwhile may have been lost (dropped with
+    /// a failed connection attempt, or with the link that broke). The
+    /// directory sends the member its whole view, a member sends the
+    /// directory its own information, on the new link.
+    fn resync_after_gap(self: &Arc<Self>, link: &Arc<Link>, node: NodeId) {
+        let msg = {
+            let naming = self.naming.lock();
+            if !naming.members.contains_key(&node) {
+                return; // a joiner: its Join brings the Welcome
+            }
+            if naming.directory == Some(self.cfg.node) {
+                NamingMsg::Welcome {
+                    directory: self.cfg.node,
+                    members: naming.members.values().cloned().collect(),
+                }
+            } else if naming.directory == Some(node) {
+                NamingMsg::Update {
+                    info: self.me.read().clone(),
+                }
+            } else {
+                return;
+            }
+        };
+        let _ = link.send(naming_frame(msg));
+    }
+
     /// Called when `node` is heard from again after this node declared it
     /// dead (same incarnation). Naming messages sent meanwhile were lost: the
     /// directory sends the revived member its whole view; a member whose
@@ -1666,7 +1698,9 @@ impl Inner {
             if let Err(f) = self.send_frame(node, naming_frame(msg), false) {
                 tracing::debug!(peer = %node, %f, "view not sent to a revived member");
             }
-        } else if directory == Some(node) {
+        } else if directory == Some(node) && self.naming.lock().pending_join.is_none() {
+            // (Revived by the link a join in progress opened: that join
+            // brings the view.)
             self.schedule_rejoin(Duration::ZERO);
         }
     }
@@ -1783,8 +1817,11 @@ impl Inner {
                     if info.id != peer.node {
                         return; // only a member may update itself
                     }
+                    let known = self.naming.lock().members.get(&info.id) == Some(&info);
                     self.upsert_member(info.clone());
-                    self.broadcast(NamingMsg::Update { info }, Some(peer.node));
+                    if !known {
+                        self.broadcast(NamingMsg::Update { info }, Some(peer.node));
+                    }
                 } else if Some(peer.node) == directory || info.id == peer.node {
                     self.upsert_member(info);
                 }

@@ -962,3 +962,34 @@ async fn nodes_joining_at_the_same_moment_all_learn_of_each_other() {
         }
     }
 }
+
+/// Naming messages sent while a member is cut off from the directory are
+/// lost; once healed, the member gets the view again (it joins again when
+/// it hears from its directory after declaring it dead; the directory sends
+/// its view to a member it hears from again, or links to again after a time
+/// without a link).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_cut_off_while_another_joined_learns_of_it_after_the_heal() {
+    let plan = Arc::new(FaultPlan::new(23));
+    let (hub, mut eps) = inproc_cluster(3, &plan).await;
+    converge(&eps, "3 members", |v| alive(v) == vec![1, 2, 3]).await;
+    plan.partition(&[NodeId(3)], &[NodeId(1), NodeId(2), NodeId(4)]);
+    converge(&eps[..1], "node 3 dead for the directory", |v| {
+        alive(v) == vec![1, 2]
+    })
+    .await;
+    let late = start(cfg(4, &hub, &plan)).await;
+    late.join(Seed::Inproc(NodeId(1)))
+        .await
+        .expect("node 4 joins");
+    eps.push(late);
+    converge(&eps[..2], "node 4 known to 1 and 2", |v| {
+        v.nodes.iter().any(|n| n.info.id == NodeId(4))
+    })
+    .await;
+    plan.heal();
+    converge(&eps, "all 4 members everywhere", |v| {
+        alive(v) == vec![1, 2, 3, 4]
+    })
+    .await;
+}
