@@ -5,7 +5,8 @@
 //! loop and the naming protocol (directory and member sides). Must never hold
 //! a lock while handing a frame to a link or an event to a listener: links may
 //! deliver synchronously into another node of the same process, which may
-//! answer synchronously.
+//! answer synchronously. Must never be reachable before its owner says it is
+//! ready, nor broadcast a death verdict (docs/membership.md).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
