@@ -47,7 +47,13 @@ pub struct NodeArgs {
         hide_env_values = true
     )]
     pub secret: String,
-    /// Do not use shared memory with same-host peers (TCP instead).
+    /// Shared memory with same-host peers, `on` or `off` (TCP instead).
+    /// Same host means same kernel boot and same network namespace: nodes
+    /// in different namespaces (containers, `ip netns`) always use TCP.
+    #[arg(long, env = "WEFT_SHM", default_value = "on", value_parser = parse_on_off,
+        action = clap::ArgAction::Set)]
+    pub shm: bool,
+    /// Same as `--shm off`.
     #[arg(long)]
     pub no_shm: bool,
     /// Failure detector: probe interval.
@@ -149,7 +155,7 @@ impl NodeArgs {
             .failure_detector(self.heartbeat, self.dead_after)
             .channels(ChannelSet {
                 inproc: true,
-                shm: !self.no_shm,
+                shm: self.shm && !self.no_shm,
                 tcp: true,
             });
         if let Some(dir) = &self.data_dir {
@@ -167,6 +173,15 @@ impl NodeArgs {
             });
         }
         Ok(b)
+    }
+}
+
+/// Parses `on`/`off` (also `true`/`false`, `1`/`0`, `yes`/`no`).
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "true" | "1" | "yes" => Ok(true),
+        "off" | "false" | "0" | "no" => Ok(false),
+        _ => Err(format!("expected on or off, not {s:?}")),
     }
 }
 
@@ -223,5 +238,30 @@ pub async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        node: NodeArgs,
+    }
+
+    #[test]
+    fn shared_memory_can_be_turned_off() {
+        let on = Cmd::try_parse_from(["weft", "--id", "1"]).unwrap().node;
+        assert!(on.shm && !on.no_shm);
+        let off = Cmd::try_parse_from(["weft", "--id", "1", "--shm", "off"])
+            .unwrap()
+            .node;
+        assert!(!off.shm);
+        assert!(Cmd::try_parse_from(["weft", "--id", "1", "--shm", "maybe"]).is_err());
+        assert_eq!(parse_on_off("OFF"), Ok(false));
+        assert_eq!(parse_on_off("yes"), Ok(true));
     }
 }

@@ -5,7 +5,8 @@
 //! loop and the naming protocol (directory and member sides). Must never hold
 //! a lock while handing a frame to a link or an event to a listener: links may
 //! deliver synchronously into another node of the same process, which may
-//! answer synchronously.
+//! answer synchronously. Must never be reachable before its owner says it is
+//! ready, nor broadcast a death verdict (docs/membership.md).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
@@ -239,6 +240,9 @@ pub enum StartError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// Joining the cluster failed (see [`Endpoint::join`]).
+    #[error("join: {0}")]
+    Join(Failure),
 }
 
 #[derive(Default)]
@@ -253,12 +257,30 @@ struct PeerEntry {
 }
 
 struct NamingState {
+    /// The directory; `None` while recovering or joining (Joins sent here
+    /// are then refused with Unavailable: a node that is not yet a member
+    /// must not admit anyone).
     directory: Option<NodeId>,
     members: BTreeMap<NodeId, NodeInfo>,
     pending_join: Option<oneshot::Sender<NamingMsg>>,
     seed: Option<Seed>,
     rejoin_at: Option<Instant>,
+    /// Naming messages that came while the directory was unknown.
+    early: Early,
 }
+
+/// Naming messages that arrived while this node was joining (its directory
+/// unknown): a message the directory sent after the Welcome may overtake it
+/// on another link. Replayed after the Welcome, those from the directory
+/// only; past [`MAX_EARLY_NAMING`] they are dropped and the view asked again.
+#[derive(Default)]
+struct Early {
+    overflowed: bool,
+    msgs: Vec<(PeerRef, NamingMsg)>,
+}
+
+/// Most naming messages kept while joining.
+const MAX_EARLY_NAMING: usize = 256;
 
 /// A membership listener.
 type Listener = Arc<dyn Fn(&MembershipEvent) + Send + Sync>;
@@ -291,6 +313,8 @@ pub(crate) struct Inner {
     call_ids: AtomicU64,
     crashed: Arc<AtomicBool>,
     closing: AtomicBool,
+    /// Set by [`Endpoint::ready`]: until then nothing can reach this node.
+    ready: AtomicBool,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     refusals: Mutex<VecDeque<String>>,
 }
@@ -307,13 +331,28 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// Starts an endpoint: binds the TCP listener (if configured), registers
-    /// in the in-process hub and starts the detector. A member starts as the
+    /// Starts an endpoint that is reachable at once: [`Endpoint::start_recovering`]
+    /// then [`Endpoint::ready`] without a seed. A member starts as the
     /// directory of a one-node cluster until it joins another.
     ///
     /// Must be called inside a tokio runtime. Fails with [`StartError`] for
     /// an invalid configuration or a listener that cannot be bound.
     pub async fn start(cfg: TransportConfig) -> Result<Endpoint, StartError> {
+        let ep = Endpoint::start_recovering(cfg)?;
+        ep.ready(None).await?;
+        Ok(ep)
+    }
+
+    /// Starts an endpoint that nothing can reach yet: no TCP listener, no
+    /// shared-memory rendezvous, absent from the in-process hub, member of
+    /// no cluster. Its owner recovers (log, services) and then calls
+    /// [`Endpoint::ready`]; until then peers see the previous incarnation as
+    /// gone (a refused connection) and never this one, so a node still
+    /// recovering is never a member and never takes a call.
+    ///
+    /// Must be called inside a tokio runtime. Fails with
+    /// [`StartError::Config`] for an invalid configuration.
+    pub fn start_recovering(cfg: TransportConfig) -> Result<Endpoint, StartError> {
         cfg.validate().map_err(StartError::Config)?;
         let hub = if cfg.role == PeerRole::Node {
             Some(cfg.hub.clone().unwrap_or_else(InprocHub::global))
@@ -329,7 +368,7 @@ impl Endpoint {
             shm: None,
             pid: std::process::id(),
             services: Vec::new(),
-            directory: cfg.role == PeerRole::Node,
+            directory: false,
         };
         let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
@@ -343,11 +382,12 @@ impl Endpoint {
             calls: Calls::start(),
             handlers: RwLock::new(Handlers::default()),
             naming: Mutex::new(NamingState {
-                directory: (cfg.role == PeerRole::Node).then_some(cfg.node),
+                directory: None,
                 members: BTreeMap::new(),
                 pending_join: None,
                 seed: None,
                 rejoin_at: None,
+                early: Early::default(),
             }),
             inbox: inbox_tx,
             gateway: Mutex::new(None),
@@ -355,34 +395,65 @@ impl Endpoint {
             call_ids: AtomicU64::new(1),
             crashed: Arc::new(AtomicBool::new(false)),
             closing: AtomicBool::new(false),
+            ready: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
             refusals: Mutex::new(VecDeque::new()),
             stats: Arc::new(Stats::default()),
             cfg,
         });
+        if inner.cfg.role == PeerRole::Node {
+            inner.naming.lock().members.insert(me.id, me);
+        }
+        inner.spawn(Inner::inbox_task(Arc::downgrade(&inner), inbox_rx));
+        inner.spawn(Inner::detector_task(Arc::downgrade(&inner)));
+        Ok(Endpoint { inner })
+    }
+
+    /// Makes a recovered endpoint reachable and enters the cluster: binds the
+    /// TCP listener (if configured), the shared-memory rendezvous, registers
+    /// in the in-process hub, then joins through `seed` or, without one,
+    /// serves as the directory of a new cluster. The node's services must be
+    /// registered before: from here on peers may call it. Its directory stays
+    /// unknown until the join completes, so it admits nobody meanwhile.
+    ///
+    /// Fails with [`StartError::Listen`] when the listener cannot be bound
+    /// and [`StartError::Join`] when joining fails (see [`Endpoint::join`]).
+    /// Calling it again does nothing.
+    pub async fn ready(&self, seed: Option<Seed>) -> Result<(), StartError> {
+        let inner = &self.inner;
+        if inner.ready.load(Ordering::Acquire) {
+            return Ok(());
+        }
         if let Some(addr) = inner.cfg.listen.filter(|_| inner.cfg.channels.tcp) {
-            let bound = tcp::listen(&inner, addr)
+            let bound = tcp::listen(inner, addr)
                 .await
                 .map_err(|source| StartError::Listen { addr, source })?;
             inner.me.write().addr = Some(bound.to_string());
         }
         // shm (issue 6): same-host peers reach this node through shared memory.
         if inner.cfg.channels.shm && inner.cfg.role == PeerRole::Node {
-            match crate::shm::listen(&inner).await {
+            match crate::shm::listen(inner).await {
                 Ok(rendezvous) => inner.me.write().shm = Some(rendezvous),
                 Err(e) => tracing::warn!(node = %inner.cfg.node, "no shared-memory channel: {e}"),
             }
         }
-        if inner.cfg.role == PeerRole::Node {
-            if let Some(hub) = &inner.hub {
-                hub.register(inner.cfg.node, &inner);
-            }
-            let me = inner.me.read().clone();
-            inner.naming.lock().members.insert(me.id, me);
+        inner.ready.store(true, Ordering::Release);
+        if inner.cfg.role != PeerRole::Node {
+            return Ok(());
         }
-        inner.spawn(Inner::inbox_task(Arc::downgrade(&inner), inbox_rx));
-        inner.spawn(Inner::detector_task(Arc::downgrade(&inner)));
-        Ok(Endpoint { inner })
+        if seed.is_none() {
+            inner.me.write().directory = true;
+            inner.naming.lock().directory = Some(inner.cfg.node);
+        }
+        let me = inner.me.read().clone();
+        inner.naming.lock().members.insert(me.id, me);
+        if let Some(hub) = &inner.hub {
+            hub.register(inner.cfg.node, inner);
+        }
+        match seed {
+            Some(seed) => self.join(seed).await.map_err(StartError::Join),
+            None => Ok(()),
+        }
     }
 
     /// Connects a client endpoint to one node, which relays its calls.
@@ -413,10 +484,54 @@ impl Endpoint {
     /// Fails with WrongSecret when the cluster's secret differs (the
     /// directory logs the refusal too), Refused when the node id is taken by
     /// another live node, HostDead/ProcDead when the seed cannot be reached,
-    /// TimedOut when the directory does not answer.
+    /// TimedOut when the directory does not answer, Unavailable before
+    /// [`Endpoint::ready`] or when the seed is itself still joining past
+    /// four connect timeouts (it is asked again meanwhile).
     pub async fn join(&self, seed: Seed) -> Result<(), Failure> {
-        self.inner.naming.lock().seed = Some(seed.clone());
-        self.inner.join_via(seed).await
+        let inner = &self.inner;
+        if !inner.ready.load(Ordering::Acquire) {
+            return Err(Failure::new(
+                Status::Unavailable,
+                "the node is still recovering: not reachable yet",
+            ));
+        }
+        // A node that is the directory of nobody but itself stops being one
+        // while it joins: it must not admit a node joining through it before
+        // it knows the real directory.
+        let was_alone = {
+            let mut naming = inner.naming.lock();
+            naming.seed = Some(seed.clone());
+            let alone = naming.directory == Some(inner.cfg.node)
+                && naming.members.keys().all(|n| *n == inner.cfg.node);
+            if alone {
+                naming.directory = None;
+            }
+            alone
+        };
+        if was_alone {
+            inner.me.write().directory = false;
+        }
+        let deadline = Instant::now() + inner.cfg.connect_timeout * 4;
+        let mut pause = Duration::from_millis(10);
+        let result = loop {
+            match inner.join_via(seed.clone()).await {
+                Err(f) if f.status == Status::Unavailable && Instant::now() < deadline => {
+                    tracing::debug!(node = %inner.cfg.node, %f, "seed not ready; asking again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+                other => break other,
+            }
+        };
+        if result.is_err() && was_alone {
+            let mut naming = inner.naming.lock();
+            if naming.directory.is_none() {
+                naming.directory = Some(inner.cfg.node);
+                drop(naming);
+                inner.me.write().directory = true;
+            }
+        }
+        result
     }
 
     /// This node's id.
@@ -978,11 +1093,20 @@ impl Inner {
         if peer.role == PeerRole::Client {
             return;
         }
+        if link.kind() == ChannelKind::Shm {
+            // Said once per link: shared memory ignores the network between
+            // the two, so no network partition cuts this link.
+            tracing::info!(node = %self.cfg.node, peer = %peer.node,
+                "linked over shared memory (same host and network namespace; \
+                 channels.shm = false, or WEFT_SHM=off for the weft binary, to use TCP)");
+        }
         let mut restarted = None;
         let mut revived = false;
-        let (queued, stale) = {
+        let (queued, stale, after_a_gap) = {
             let mut peers = self.peers.lock();
             let entry = peers.entry(peer.node).or_default();
+            let after_a_gap =
+                entry.incarnation.is_some() && !entry.links.iter().any(|l| !l.is_closed());
             let mut stale = Vec::new();
             match entry.incarnation {
                 Some(old) if old != peer.incarnation => {
@@ -1001,16 +1125,21 @@ impl Inner {
             }
             entry.backoff = None;
             entry.next_backoff = Duration::ZERO;
-            // Cheapest channel first: sends use the first live link.
-            let at = entry.links.partition_point(|l| l.kind() <= link.kind());
+            // Cheapest channel first, and of one channel the newest: sends
+            // use the first live link, and an older link of the same kind
+            // may be a dead socket the peer already replaced.
+            let at = entry.links.partition_point(|l| l.kind() < link.kind());
             entry.links.insert(at, Arc::clone(link));
             let queued = if link.side == Side::Initiator || entry.links.len() == 1 {
                 entry.connecting.take().unwrap_or_default()
             } else {
                 VecDeque::new()
             };
-            (queued, stale)
+            (queued, stale, after_a_gap && restarted.is_none())
         };
+        if after_a_gap {
+            self.resync_after_gap(link, peer.node);
+        }
         for old in stale {
             old.close(Status::ProcDead, "peer restarted");
         }
@@ -1030,6 +1159,7 @@ impl Inner {
         }
         if revived {
             self.emit(MembershipEvent::Revived(peer.node));
+            self.on_revived(peer.node);
         }
         for frame in queued {
             let call_id = match &frame {
@@ -1136,6 +1266,7 @@ impl Inner {
                 };
                 if was_dead {
                     self.emit(MembershipEvent::Revived(node));
+                    self.on_revived(node);
                 }
             }
         }
@@ -1229,14 +1360,18 @@ impl Inner {
         }
     }
 
-    /// Declares `node` dead: fails its calls and queued frames, tells the
-    /// listeners and, on the directory, every member.
+    /// Declares `node` dead on this node: fails its calls and queued frames,
+    /// abandons its links (closed, sockets shut down: a link that went
+    /// silent must not carry anything once the peer is back, which it does
+    /// over a new link) and tells the listeners. The verdict stays here: it
+    /// is about this node's links, and is never broadcast
+    /// (docs/membership.md).
     fn declare_dead(self: &Arc<Self>, node: NodeId, status: Status, reason: String) {
         if node == self.cfg.node {
             return;
         }
         self.detector.lock().declare_dead(node);
-        let (queued, incarnation) = {
+        let (queued, incarnation, links) = {
             let mut peers = self.peers.lock();
             let entry = peers.entry(node).or_default();
             if entry.dead.is_some() {
@@ -1246,31 +1381,23 @@ impl Inner {
             (
                 entry.connecting.take().unwrap_or_default(),
                 entry.incarnation,
+                std::mem::take(&mut entry.links),
             )
         };
         tracing::info!(node = %self.cfg.node, peer = %node, %status, "peer declared dead: {reason}");
         let f = Failure::new(status, format!("node {node} is dead: {reason}"));
         self.fail_queued(queued, &f);
         self.calls.fail_node(node, &f);
+        for link in links {
+            link.close(status, "peer declared dead: link abandoned");
+        }
         self.emit(MembershipEvent::Left {
             node,
             incarnation,
             cause: status,
             reason,
         });
-        let am_directory = self.naming.lock().directory == Some(self.cfg.node);
-        if am_directory {
-            if let Some(inc) = incarnation {
-                self.broadcast(
-                    NamingMsg::Left {
-                        node,
-                        incarnation: inc,
-                        cause: status,
-                    },
-                    Some(node),
-                );
-            }
-        } else if self.naming.lock().directory == Some(node) {
+        if self.naming.lock().directory == Some(node) {
             self.schedule_rejoin(self.cfg.dead_after);
         }
     }
@@ -1366,10 +1493,11 @@ impl Inner {
     async fn join_via(self: &Arc<Self>, seed: Seed) -> Result<(), Failure> {
         let mut seed = seed;
         for _hop in 0..4 {
-            let peer = match &seed {
+            let link = match &seed {
                 Seed::Tcp(addr) => {
                     let link = tcp::connect(self, *addr, None).await?;
-                    link.established(self.cfg.connect_timeout).await?.node
+                    link.established(self.cfg.connect_timeout).await?;
+                    link
                 }
                 Seed::Inproc(node) => {
                     let hub = self.hub.clone().ok_or_else(|| {
@@ -1378,7 +1506,8 @@ impl Inner {
                     match hub.lookup(*node) {
                         Lookup::Live(other) => {
                             let link = inproc::connect(self, &other, *node);
-                            link.established(self.cfg.connect_timeout).await?.node
+                            link.established(self.cfg.connect_timeout).await?;
+                            link
                         }
                         Lookup::Crashed => {
                             return Err(Failure::new(
@@ -1398,25 +1527,27 @@ impl Inner {
             let (tx, rx) = oneshot::channel();
             self.naming.lock().pending_join = Some(tx);
             let info = self.me.read().clone();
-            self.send_frame(peer, naming_frame(NamingMsg::Join { info }), false)?;
+            // The Join goes over the link just opened, never over an older
+            // link to the same node: that one may be a dead socket (after a
+            // partition, TCP retransmits on it only as its backoff allows).
+            if link
+                .send(naming_frame(NamingMsg::Join { info: info.clone() }))
+                .is_err()
+            {
+                return Err(Failure::new(
+                    Status::ProcDead,
+                    "the link to the seed closed before the join was sent",
+                ));
+            }
             let reply = tokio::time::timeout(self.cfg.connect_timeout * 2, rx).await;
             match reply {
-                Ok(Ok(NamingMsg::Welcome {
-                    directory,
-                    members,
-                    dead,
-                })) => {
-                    {
-                        let mut naming = self.naming.lock();
-                        naming.directory = Some(directory);
-                        naming.rejoin_at = None;
-                    }
-                    self.me.write().directory = directory == self.cfg.node;
-                    for m in members {
-                        self.upsert_member(m);
-                    }
-                    for (node, status) in dead {
-                        self.declare_dead(node, status, "dead according to the directory".into());
+                Ok(Ok(NamingMsg::Welcome { directory, .. })) => {
+                    // The inbox task applied the Welcome before any later
+                    // naming message from the directory (see `on_naming`).
+                    let now = self.me.read().clone();
+                    if now.services != info.services {
+                        // Services changed while the Join was on its way.
+                        self.announce_self(now);
                     }
                     tracing::info!(node = %self.cfg.node, %directory, "joined the cluster");
                     return Ok(());
@@ -1463,6 +1594,7 @@ impl Inner {
             return;
         }
         let id = info.id;
+        let was_member = self.naming.lock().members.contains_key(&id);
         let (event_left, event_joined, stale) = {
             let mut peers = self.peers.lock();
             let entry = peers.entry(id).or_default();
@@ -1475,17 +1607,28 @@ impl Inner {
                     stale = std::mem::take(&mut entry.links);
                 }
             }
-            let joined = known != Some(info.incarnation) || entry.dead.is_some();
-            if joined {
+            // A new incarnation, or a node that had left, is a new member,
+            // alive until this node's detector says otherwise. A member
+            // announced again (a re-join, a changed service) is not revived
+            // if this node declared it dead: only hearing from it does.
+            let new_member = left.is_some() || entry.incarnation.is_none() || !was_member;
+            if new_member {
                 entry.dead = None;
                 entry.backoff = None;
             }
+            let joined = known != Some(info.incarnation) && entry.dead.is_none();
             entry.incarnation = Some(info.incarnation);
             entry.info = Some(info.clone());
             (left, joined, stale)
         };
         self.naming.lock().members.insert(id, info.clone());
-        self.detector.lock().watch(id, Instant::now());
+        {
+            let mut detector = self.detector.lock();
+            if event_left.is_some() {
+                detector.unwatch(id); // the old incarnation's verdict goes with it
+            }
+            detector.watch(id, Instant::now());
+        }
         for l in stale {
             l.close(Status::ProcDead, "peer restarted");
         }
@@ -1542,27 +1685,118 @@ impl Inner {
         }
     }
 
-    fn reply(self: &Arc<Self>, to: NodeId, msg: NamingMsg) {
-        if let Err(f) = self.send_frame(to, naming_frame(msg), false) {
-            tracing::debug!(peer = %to, %f, "naming reply not sent");
+    /// Answers a naming message on the link it came on: the sender may be
+    /// believed dead here (a node re-joining after a partition), or its
+    /// older links may be dead sockets.
+    fn reply(self: &Arc<Self>, to: PeerRef, msg: NamingMsg) {
+        let link = self.links.lock().get(&to.link).cloned();
+        let sent = match link {
+            Some(link) => link.send(naming_frame(msg)).map_err(|e| e.to_string()),
+            None => Err("its link closed".to_string()),
+        };
+        if let Err(e) = sent {
+            tracing::debug!(peer = %to.node, "naming reply not sent: {e}");
+        }
+    }
+
+    /// Installs the directory's view of the cluster (a Welcome), then the
+    /// naming messages that overtook it on another link.
+    fn apply_welcome(self: &Arc<Self>, directory: NodeId, members: Vec<NodeInfo>) {
+        let early = {
+            let mut naming = self.naming.lock();
+            naming.directory = Some(directory);
+            naming.rejoin_at = None;
+            std::mem::take(&mut naming.early)
+        };
+        self.me.write().directory = directory == self.cfg.node;
+        for m in members {
+            self.upsert_member(m);
+        }
+        let Early { overflowed, msgs } = early;
+        for (peer, msg) in msgs {
+            if peer.node == directory {
+                self.on_naming(peer, msg);
+            }
+        }
+        if overflowed {
+            // Some were dropped: ask for the whole view again.
+            self.schedule_rejoin(Duration::ZERO);
+        }
+    }
+
+    /// Called when a member is linked to again after a time without any
+    /// link: naming messages sent meanwhile may have been lost (dropped with
+    /// a failed connection attempt, or with the link that broke). The
+    /// directory sends the member its whole view, a member sends the
+    /// directory its own information, on the new link.
+    fn resync_after_gap(self: &Arc<Self>, link: &Arc<Link>, node: NodeId) {
+        let msg = {
+            let naming = self.naming.lock();
+            if !naming.members.contains_key(&node) {
+                return; // a joiner: its Join brings the Welcome
+            }
+            if naming.directory == Some(self.cfg.node) {
+                NamingMsg::Welcome {
+                    directory: self.cfg.node,
+                    members: naming.members.values().cloned().collect(),
+                }
+            } else if naming.directory == Some(node) {
+                NamingMsg::Update {
+                    info: self.me.read().clone(),
+                }
+            } else {
+                return;
+            }
+        };
+        let _ = link.send(naming_frame(msg));
+    }
+
+    /// Called when `node` is heard from again after this node declared it
+    /// dead (same incarnation). Naming messages sent meanwhile were lost: the
+    /// directory sends the revived member its whole view; a member whose
+    /// directory revived joins again to get it.
+    fn on_revived(self: &Arc<Self>, node: NodeId) {
+        let directory = self.naming.lock().directory;
+        if directory == Some(self.cfg.node) {
+            let members: Vec<NodeInfo> = self.naming.lock().members.values().cloned().collect();
+            let msg = NamingMsg::Welcome {
+                directory: self.cfg.node,
+                members,
+            };
+            if let Err(f) = self.send_frame(node, naming_frame(msg), false) {
+                tracing::debug!(peer = %node, %f, "view not sent to a revived member");
+            }
+        } else if directory == Some(node) && self.naming.lock().pending_join.is_none() {
+            // (Revived by the link a join in progress opened: that join
+            // brings the view.)
+            self.schedule_rejoin(Duration::ZERO);
         }
     }
 
     fn on_naming(self: &Arc<Self>, peer: PeerRef, msg: NamingMsg) {
         let directory = self.naming.lock().directory;
         let am_directory = directory == Some(self.cfg.node);
+        if directory.is_none() && matches!(msg, NamingMsg::Update { .. } | NamingMsg::Left { .. }) {
+            let mut naming = self.naming.lock();
+            if naming.early.msgs.len() < MAX_EARLY_NAMING {
+                naming.early.msgs.push((peer, msg));
+            } else {
+                naming.early.overflowed = true;
+            }
+            return;
+        }
         match msg {
             NamingMsg::Join { info } => {
                 if !am_directory {
                     let dir_info =
                         directory.and_then(|d| self.naming.lock().members.get(&d).cloned());
                     match dir_info {
-                        Some(d) => self.reply(peer.node, NamingMsg::Redirect { directory: d }),
+                        Some(d) => self.reply(peer, NamingMsg::Redirect { directory: d }),
                         None => self.reply(
-                            peer.node,
+                            peer,
                             NamingMsg::JoinRefused {
                                 status: Status::Unavailable,
-                                reason: "this node knows no directory".into(),
+                                reason: "this node is not a member yet (joining)".into(),
                             },
                         ),
                     }
@@ -1570,7 +1804,7 @@ impl Inner {
                 }
                 if info.id != peer.node || info.incarnation != peer.incarnation {
                     self.reply(
-                        peer.node,
+                        peer,
                         NamingMsg::JoinRefused {
                             status: Status::Mismatch,
                             reason: format!(
@@ -1593,7 +1827,7 @@ impl Inner {
                 if let Err(reason) = admission(existing.as_ref().map(|i| (i, alive)), &info) {
                     tracing::warn!(node = %self.cfg.node, "refused join: {reason}");
                     self.reply(
-                        peer.node,
+                        peer,
                         NamingMsg::JoinRefused {
                             status: Status::Refused,
                             reason,
@@ -1602,35 +1836,46 @@ impl Inner {
                     return;
                 }
                 self.upsert_member(info.clone());
-                let (members, dead) = {
-                    let naming = self.naming.lock();
-                    let peers = self.peers.lock();
-                    let members: Vec<NodeInfo> = naming.members.values().cloned().collect();
-                    let dead = members
-                        .iter()
-                        .filter_map(|m| {
-                            peers
-                                .get(&m.id)
-                                .and_then(|e| e.dead.as_ref())
-                                .map(|(s, _)| (m.id, *s))
-                        })
-                        .collect();
-                    (members, dead)
-                };
+                // The joiner's view: every member, and no death verdicts (a
+                // verdict is about this node's links, not the joiner's).
+                let members: Vec<NodeInfo> = self.naming.lock().members.values().cloned().collect();
                 tracing::info!(node = %self.cfg.node, joiner = %info.id, "admitted a member");
                 self.reply(
-                    peer.node,
+                    peer,
                     NamingMsg::Welcome {
                         directory: self.cfg.node,
                         members,
-                        dead,
                     },
                 );
                 self.broadcast(NamingMsg::Update { info }, Some(peer.node));
             }
-            NamingMsg::Welcome { .. }
-            | NamingMsg::JoinRefused { .. }
-            | NamingMsg::Redirect { .. } => {
+            NamingMsg::Welcome {
+                directory: dir,
+                members,
+            } => {
+                // Only the directory itself welcomes. Applied here, in the
+                // inbox's order, so that naming messages the directory sends
+                // after it are applied after it (applied by the joining
+                // task, an Update could be handled first, while this node
+                // still took itself for the directory, and be lost).
+                let pending = {
+                    let mut naming = self.naming.lock();
+                    if dir != peer.node
+                        || (naming.pending_join.is_none() && naming.directory != Some(dir))
+                    {
+                        return; // not from the directory it names, or unsolicited
+                    }
+                    naming.pending_join.take()
+                };
+                self.apply_welcome(dir, members);
+                if let Some(tx) = pending {
+                    let _ = tx.send(NamingMsg::Welcome {
+                        directory: dir,
+                        members: Vec::new(),
+                    });
+                }
+            }
+            NamingMsg::JoinRefused { .. } | NamingMsg::Redirect { .. } => {
                 if let Some(tx) = self.naming.lock().pending_join.take() {
                     let _ = tx.send(msg);
                 }
@@ -1640,8 +1885,11 @@ impl Inner {
                     if info.id != peer.node {
                         return; // only a member may update itself
                     }
+                    let known = self.naming.lock().members.get(&info.id) == Some(&info);
                     self.upsert_member(info.clone());
-                    self.broadcast(NamingMsg::Update { info }, Some(peer.node));
+                    if !known {
+                        self.broadcast(NamingMsg::Update { info }, Some(peer.node));
+                    }
                 } else if Some(peer.node) == directory || info.id == peer.node {
                     self.upsert_member(info);
                 }
@@ -1651,39 +1899,36 @@ impl Inner {
                 incarnation,
                 cause,
             } => {
-                if node == self.cfg.node {
-                    if incarnation == self.cfg.incarnation && cause != Status::Ok {
-                        // The directory believes we are dead: join again.
-                        self.schedule_rejoin(Duration::ZERO);
-                    }
+                if node == self.cfg.node || cause != Status::Ok {
+                    // Only orderly leaves travel: a death verdict is about
+                    // the links of the node that reached it (docs/membership.md).
                     return;
+                }
+                if directory != Some(peer.node) && node != peer.node {
+                    return; // only the directory, or the leaver, says who left
                 }
                 let current = self.peers.lock().get(&node).and_then(|e| e.incarnation);
                 if current.is_some_and(|c| c != incarnation) {
                     return; // about an older incarnation
                 }
-                if cause == Status::Ok {
-                    self.naming.lock().members.remove(&node);
-                    self.detector.lock().unwatch(node);
-                    let newly = {
-                        let mut peers = self.peers.lock();
-                        let e = peers.entry(node).or_default();
-                        let newly = e.dead.is_none();
-                        e.dead = Some((Status::ProcDead, "left the cluster".into()));
-                        newly
-                    };
-                    if newly {
-                        let f = Failure::new(Status::ProcDead, format!("node {node} left"));
-                        self.calls.fail_node(node, &f);
-                        self.emit(MembershipEvent::Left {
-                            node,
-                            incarnation: Some(incarnation),
-                            cause: Status::Ok,
-                            reason: "left the cluster".into(),
-                        });
-                    }
-                } else {
-                    self.declare_dead(node, cause, "declared dead by the directory".into());
+                self.naming.lock().members.remove(&node);
+                self.detector.lock().unwatch(node);
+                let newly = {
+                    let mut peers = self.peers.lock();
+                    let e = peers.entry(node).or_default();
+                    let newly = e.dead.is_none();
+                    e.dead = Some((Status::ProcDead, "left the cluster".into()));
+                    newly
+                };
+                if newly {
+                    let f = Failure::new(Status::ProcDead, format!("node {node} left"));
+                    self.calls.fail_node(node, &f);
+                    self.emit(MembershipEvent::Left {
+                        node,
+                        incarnation: Some(incarnation),
+                        cause: Status::Ok,
+                        reason: "left the cluster".into(),
+                    });
                 }
             }
             NamingMsg::Leave { node, incarnation } => {

@@ -1,5 +1,7 @@
 //! Fault injection: drop, delay, duplicate, reorder and partition frames per
-//! directed link, from a seeded random source.
+//! directed link, and strand the links open at some moment (they stay silent
+//! after a heal, as a connection TCP retransmits on only after a long
+//! backoff), from a seeded random source.
 //!
 //! Owns the decision of what happens to each frame a faulty link sends, and a
 //! bounded history of those decisions to print when a test fails. Must never
@@ -76,6 +78,11 @@ struct PlanState {
     default: LinkFaults,
     links: HashMap<(NodeId, NodeId), LinkFaults>,
     cut: HashSet<(NodeId, NodeId)>,
+    /// Directed pairs whose links born before this generation are stranded.
+    stranded: HashMap<(NodeId, NodeId), u64>,
+    /// Incremented by every [`FaultPlan::strand`]; links are born with the
+    /// value of the moment.
+    generation: u64,
     history: VecDeque<String>,
     decisions: u64,
 }
@@ -97,6 +104,8 @@ impl FaultPlan {
                 default: LinkFaults::none(),
                 links: HashMap::new(),
                 cut: HashSet::new(),
+                stranded: HashMap::new(),
+                generation: 0,
                 history: VecDeque::new(),
                 decisions: 0,
             }),
@@ -137,7 +146,43 @@ impl FaultPlan {
         st.history.push_back(format!("cut {from:?} -> {to:?}"));
     }
 
-    /// Removes every partition and cut.
+    /// Strands every link open now between a node of `a` and a node of `b`,
+    /// both ways: from now on they carry nothing, not even after
+    /// [`FaultPlan::heal`], while links opened later work (a connection whose
+    /// packets the network keeps losing, or that TCP retransmits on only
+    /// after a long backoff, while a fresh connection gets through).
+    pub fn strand(&self, a: &[NodeId], b: &[NodeId]) {
+        let mut st = self.state.lock();
+        st.generation += 1;
+        let generation = st.generation;
+        for &x in a {
+            for &y in b {
+                st.stranded.insert((x, y), generation);
+                st.stranded.insert((y, x), generation);
+            }
+        }
+        st.history
+            .push_back(format!("strand links of {a:?} | {b:?} open now"));
+    }
+
+    /// The generation a link opened now is born with (see
+    /// [`FaultPlan::decide_on`]).
+    pub fn generation(&self) -> u64 {
+        self.state.lock().generation
+    }
+
+    /// True when a link born in `generation` carries nothing `from -> to`:
+    /// cut, or stranded.
+    pub fn is_cut_on(&self, from: NodeId, to: NodeId, generation: u64) -> bool {
+        let st = self.state.lock();
+        st.cut.contains(&(from, to))
+            || st
+                .stranded
+                .get(&(from, to))
+                .is_some_and(|g| generation < *g)
+    }
+
+    /// Removes every partition and cut (stranded links stay stranded).
     pub fn heal(&self) {
         let mut st = self.state.lock();
         st.cut.clear();
@@ -157,11 +202,23 @@ impl FaultPlan {
         self.state.lock().cut.contains(&(from, to))
     }
 
-    /// Decides the fate of a frame of `kind` sent on `from -> to`.
+    /// Decides the fate of a frame of `kind` sent on `from -> to` over a
+    /// link opened now.
     pub fn decide(&self, from: NodeId, to: NodeId, kind: FrameKind) -> Verdict {
+        let generation = self.generation();
+        self.decide_on(from, to, generation, kind)
+    }
+
+    /// Decides the fate of a frame of `kind` sent on `from -> to` over a
+    /// link born in `generation` ([`FaultPlan::generation`] when it opened).
+    pub fn decide_on(&self, from: NodeId, to: NodeId, generation: u64, kind: FrameKind) -> Verdict {
         let mut st = self.state.lock();
         st.decisions += 1;
-        if st.cut.contains(&(from, to)) {
+        let stranded = st
+            .stranded
+            .get(&(from, to))
+            .is_some_and(|g| generation < *g);
+        if stranded || st.cut.contains(&(from, to)) {
             if kind != FrameKind::Heartbeat {
                 let n = st.decisions;
                 push(
@@ -294,6 +351,36 @@ mod tests {
             1
         );
         assert!(p.report().contains("seed = 1"));
+    }
+
+    #[test]
+    fn stranded_links_stay_silent_after_a_heal_new_ones_work() {
+        let p = FaultPlan::new(3);
+        let old = p.generation();
+        p.strand(&[NodeId(1)], &[NodeId(2)]);
+        let new = p.generation();
+        p.heal();
+        for (from, to) in [(NodeId(1), NodeId(2)), (NodeId(2), NodeId(1))] {
+            assert!(p
+                .decide_on(from, to, old, FrameKind::Message)
+                .deliveries
+                .is_empty());
+            assert!(p.is_cut_on(from, to, old));
+            assert_eq!(
+                p.decide_on(from, to, new, FrameKind::Message)
+                    .deliveries
+                    .len(),
+                1
+            );
+            assert!(!p.is_cut_on(from, to, new));
+        }
+        assert_eq!(
+            p.decide_on(NodeId(1), NodeId(3), old, FrameKind::Message)
+                .deliveries
+                .len(),
+            1,
+            "other pairs are not stranded"
+        );
     }
 
     #[test]

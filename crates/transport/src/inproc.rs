@@ -15,6 +15,7 @@ use weft_wire::{Frame, NodeId};
 
 use crate::channel::{ChannelKind, IoError, LinkIo};
 use crate::endpoint::Inner;
+use crate::fault::FaultPlan;
 use crate::handshake::Side;
 use crate::link::Link;
 
@@ -98,6 +99,10 @@ struct InprocIo {
     peer: Weak<Link>,
     closed: AtomicBool,
     desc: String,
+    /// The fault plan with (this node, the peer): a close is a frame like
+    /// any other, so over a cut direction the peer never hears of it (as a
+    /// FIN lost in a partition) and finds out by its own detector.
+    fault: Option<(Arc<FaultPlan>, NodeId, NodeId, u64)>,
 }
 
 impl LinkIo for InprocIo {
@@ -116,6 +121,11 @@ impl LinkIo for InprocIo {
 
     fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
+            if let Some((plan, me, to, generation)) = &self.fault {
+                if plan.is_cut_on(*me, *to, *generation) {
+                    return;
+                }
+            }
             if let Some(peer) = self.peer.upgrade() {
                 peer.on_closed("in-process peer closed the link");
             }
@@ -140,11 +150,19 @@ pub(crate) fn connect(from: &Arc<Inner>, to: &Arc<Inner>, expected: NodeId) -> A
         peer: Arc::downgrade(&b),
         closed: AtomicBool::new(false),
         desc: format!("inproc to node {expected}"),
+        fault: from.cfg.fault.clone().map(|f| {
+            let generation = f.generation();
+            (f, from.cfg.node, expected, generation)
+        }),
     }));
     b.attach(Arc::new(InprocIo {
         peer: Arc::downgrade(&a),
         closed: AtomicBool::new(false),
         desc: format!("inproc from node {}", from.cfg.node),
+        fault: to.cfg.fault.clone().map(|f| {
+            let generation = f.generation();
+            (f, to.cfg.node, from.cfg.node, generation)
+        }),
     }));
     from.register_link(&a);
     to.register_link(&b);

@@ -71,7 +71,9 @@ pub(crate) struct Link {
     /// The node this link is meant to reach (initiator) or that it turned
     /// out to reach (after the peer's Hello); used for fault verdicts.
     peer_hint: Mutex<Option<NodeId>>,
-    fault: Option<(Arc<FaultPlan>, NodeId)>,
+    /// The fault plan, this node, and the plan's generation when the link
+    /// opened (stranded links are told by it).
+    fault: Option<(Arc<FaultPlan>, NodeId, u64)>,
     closed: AtomicBool,
     /// A frame arrived since the failure detector last looked (any frame is
     /// a sign of life; the detector collects these flags on each tick, so
@@ -118,7 +120,10 @@ impl Link {
                 ep.reassembly.clone(),
             )),
             peer_hint: Mutex::new(expected_peer),
-            fault: ep.cfg.fault.clone().map(|f| (f, ep.cfg.node)),
+            fault: ep.cfg.fault.clone().map(|f| {
+                let generation = f.generation();
+                (f, ep.cfg.node, generation)
+            }),
             closed: AtomicBool::new(false),
             heard: AtomicBool::new(false),
             requests: AtomicUsize::new(0),
@@ -232,13 +237,13 @@ impl Link {
             return Ok(()); // a crashed node sends nothing, silently
         }
         self.stats.count_sent(frame.kind());
-        let Some((plan, me)) = &self.fault else {
+        let Some((plan, me, generation)) = &self.fault else {
             return io.send(frame);
         };
         let Some(peer) = *self.peer_hint.lock() else {
             return io.send(frame);
         };
-        let verdict = plan.decide(*me, peer, frame.kind());
+        let verdict = plan.decide_on(*me, peer, *generation, frame.kind());
         let n = verdict.deliveries.len();
         if n == 0 {
             return Ok(()); // dropped: the sender cannot tell, as on a real network

@@ -1,10 +1,11 @@
 //! Naming: the cluster directory ("the oracle" in Raid) and its messages.
 //!
 //! One node serves as the directory (the embedded default: the node started
-//! without `--join`). Others join it; it pushes joins, changes and leaves to
-//! every member, which caches them as routes. Owns the message vocabulary and
-//! the directory's admission rule. Must never decide liveness: that is the
-//! failure detector's job.
+//! without `--join`). Others join it; it pushes joins, changes and orderly
+//! leaves to every member, which caches them as routes. Owns the message
+//! vocabulary and the directory's admission rule. Must never carry a death
+//! verdict: liveness is each node's own failure detector's, about its own
+//! links (docs/membership.md).
 
 use serde::{Deserialize, Serialize};
 use weft_wire::{Incarnation, NodeId, Status};
@@ -40,14 +41,15 @@ pub enum NamingMsg {
         /// The joiner's information.
         info: NodeInfo,
     },
-    /// Directory → joiner: admitted; here is the cluster.
+    /// Directory → joiner: admitted; here is the cluster. Also directory →
+    /// member it heard from again after believing it dead: the view it may
+    /// have missed.
     Welcome {
         /// The directory's node id.
         directory: NodeId,
-        /// Every member, the joiner included.
+        /// Every member, the joiner included (no liveness: each node judges
+        /// that over its own links).
         members: Vec<NodeInfo>,
-        /// Members currently believed dead, with why.
-        dead: Vec<(NodeId, Status)>,
     },
     /// Directory → joiner: not admitted.
     JoinRefused {
@@ -67,13 +69,15 @@ pub enum NamingMsg {
         /// The member's information.
         info: NodeInfo,
     },
-    /// Directory → members: a member left (`cause` Ok) or was declared dead.
+    /// Directory → members (or a leaving directory → members): a member
+    /// left in an orderly way. Receivers ignore any `cause` but Ok: deaths
+    /// are never broadcast.
     Left {
         /// The member.
         node: NodeId,
         /// Its incarnation.
         incarnation: Incarnation,
-        /// Ok for an orderly leave, else HostDead or ProcDead.
+        /// Ok (an orderly leave).
         cause: Status,
     },
     /// Member → directory: I am leaving.

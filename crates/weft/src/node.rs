@@ -2,8 +2,10 @@
 //! assembled and started in the right order.
 //!
 //! Owns start-up (incarnation, log recovery, transaction recovery, plugin
-//! recovery, joining), periodic checkpoints and shutdown. Must never take
-//! calls before recovery is complete.
+//! recovery, services, then reachable and joining), periodic checkpoints and
+//! shutdown. Must never take calls, nor be seen by a peer, before recovery is
+//! complete and its services are registered: its endpoint starts unreachable
+//! ([`Endpoint::start_recovering`]) and opens only at the end.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -217,8 +219,10 @@ impl NodeBuilder {
     }
 
     /// Starts the node: reads and bumps the incarnation, recovers the log,
-    /// the transaction manager and every plugin, opens services, then joins
-    /// the cluster.
+    /// the transaction manager and every plugin, registers services, then
+    /// becomes reachable (listener, rendezvous, hub) and joins the cluster.
+    /// Until that last step no peer can link to it: a restarted node's peers
+    /// see the previous incarnation gone, never this one half-recovered.
     ///
     /// Fails with [`NodeError`] naming the step that failed.
     pub async fn start(self) -> Result<Node, NodeError> {
@@ -259,7 +263,7 @@ impl NodeBuilder {
                 recovered.tail_error.clone().unwrap_or_default()
             );
         }
-        let endpoint = Endpoint::start(TransportConfig {
+        let endpoint = Endpoint::start_recovering(TransportConfig {
             secret: self.secret.clone(),
             listen: self.listen,
             channels: self.channels,
@@ -269,8 +273,7 @@ impl NodeBuilder {
             dead_after: self.dead_after,
             connect_timeout: self.connect_timeout,
             ..TransportConfig::node(self.id, incarnation)
-        })
-        .await?;
+        })?;
         let tm = TxManager::start(endpoint.clone(), log.clone(), self.tm.clone());
         let plugin_err = |p: &Arc<dyn Plugin>, failure: Failure| NodeError::Plugin {
             plugin: p.name().to_string(),
@@ -307,13 +310,15 @@ impl NodeBuilder {
             plugin: "admin".into(),
             failure,
         })?;
-        if let Some(seed) = self.join {
-            node.inner
-                .endpoint
-                .join(seed)
-                .await
-                .map_err(NodeError::Join)?;
-        }
+        // Recovered, services registered: now reachable, then a member.
+        node.inner
+            .endpoint
+            .ready(self.join)
+            .await
+            .map_err(|e| match e {
+                weft_transport::StartError::Join(f) => NodeError::Join(f),
+                other => NodeError::Transport(other),
+            })?;
         if let Some(every) = self.checkpoint_every {
             let weak = Arc::downgrade(&node.inner);
             tokio::spawn(async move {
