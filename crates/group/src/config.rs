@@ -37,7 +37,8 @@ pub struct GroupConfig {
     pub directory_timeout: Duration,
     /// How long the directory waits for every node to acknowledge a table
     /// change before answering anyway (nodes that did not answer are
-    /// usually dead and are dropped by the failure detector).
+    /// usually unreachable; they bring their cached table up to date when
+    /// the directory hears from them again).
     pub push_timeout: Duration,
     /// First retransmission delay of an unacknowledged protocol message;
     /// doubles up to `max_retransmit`.

@@ -211,7 +211,9 @@ pub enum DirOp {
         gid: GroupId,
         /// Hosting or not.
         present: bool,
-        /// Per-node order of hosting changes.
+        /// Per-node order of hosting changes: the node's incarnation in the
+        /// high 32 bits (`core::directory::hosting_seq_base`), so that a
+        /// restarted node's changes order after its earlier incarnations'.
         seq: u64,
         /// Proof of the secret, when `present`.
         key: Option<GroupKey>,
@@ -388,8 +390,10 @@ pub enum GroupMsg {
     /// the replies made at once, acknowledgements, terminations). The
     /// receiver takes the counts first.
     Batch(Vec<GroupMsg>),
-    /// Directory → a node it had believed dead: introduce yourself again
-    /// (`Sync`), your members were dropped meanwhile.
+    /// Directory → a node it hears from again after declaring it dead:
+    /// introduce yourself again (`Sync`); the pushes sent while the link was
+    /// down were lost, and hosting changes the node made meanwhile may not
+    /// have reached the directory.
     Resync,
     /// A fan-out subtree's outcome, to the node that forwarded the message.
     TxAck {

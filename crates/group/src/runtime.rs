@@ -30,7 +30,7 @@ use crate::core::fanout::Tree;
 use crate::core::host::NODE_MEMBER;
 use crate::core::origin::{Delivery, Progress, ReplyItem, Take};
 use crate::core::retry::RetryKey;
-use crate::core::{Action, Core, Env};
+use crate::core::{Action, Core, Env, NodeLoss};
 use crate::ids::{CommId, IdMap, MemberId, SenderId, Tag};
 use crate::msg::{DirAnswer, DirOp, GroupMsg, GroupRecord};
 use crate::secret::{GroupKey, Verifier};
@@ -479,14 +479,27 @@ impl Shared {
 
     fn on_membership(self: &Arc<Self>, ev: MembershipEvent) {
         match ev {
-            MembershipEvent::Left { node, cause, .. } => {
-                let status = match cause {
-                    Status::HostDead => Status::HostDead,
-                    _ => Status::ProcDead,
+            MembershipEvent::Left {
+                node,
+                incarnation,
+                cause,
+                ..
+            } => {
+                // A report about an incarnation the node no longer runs is
+                // a restart, whatever led to it; otherwise the cause says
+                // whether it left or this node's detector gave up on it.
+                let now_runs = self.endpoint.peer_incarnation(node);
+                let loss = match (cause, incarnation) {
+                    (_, Some(old)) if now_runs.is_some_and(|n| n != old) => {
+                        NodeLoss::Restarted(Some(old))
+                    }
+                    (Status::Ok, inc) => NodeLoss::Left(inc),
+                    (Status::HostDead, _) => NodeLoss::Unreachable(Status::HostDead),
+                    _ => NodeLoss::Unreachable(Status::ProcDead),
                 };
-                tracing::debug!(node = %self.endpoint.node_id(), peer = %node, %status, "group: node gone");
+                tracing::debug!(node = %self.endpoint.node_id(), peer = %node, ?loss, "group: node lost");
                 self.step(Need::Cluster, move |core, env, now, out| {
-                    core.on_node_dead(node, status, env, now, out)
+                    core.on_node_dead(node, loss, env, now, out)
                 });
                 // The directory may have moved with it.
                 self.sync_if_directory_changed();
@@ -494,26 +507,20 @@ impl Shared {
             MembershipEvent::Joined(info) => {
                 if Some(info.id) == self.endpoint.directory() {
                     self.sync_if_directory_changed();
-                } else if self.endpoint.directory() == Some(self.endpoint.node_id()) {
-                    self.ask_resync(info.id);
+                } else {
+                    self.back(info.id);
                 }
             }
-            MembershipEvent::Revived(node) => {
-                if Some(node) == self.endpoint.directory() {
-                    self.sync();
-                } else if self.endpoint.directory() == Some(self.endpoint.node_id()) {
-                    self.ask_resync(node);
-                }
-            }
+            MembershipEvent::Revived(node) => self.back(node),
         }
     }
 
-    /// The directory asks a node that came back to introduce itself again
-    /// (its members were dropped while it seemed dead).
-    fn ask_resync(self: &Arc<Self>, node: NodeId) {
-        let _ = self
-            .endpoint
-            .send(node, Port::GROUP, Payload::local(GroupMsg::Resync));
+    /// `node` joined or was heard from again: the core brings the cached
+    /// table up to date (see [`Core::on_node_back`]).
+    fn back(self: &Arc<Self>, node: NodeId) {
+        self.step(Need::Directory, move |core, env, now, out| {
+            core.on_node_back(node, env, now, out)
+        });
     }
 
     fn register_sender(&self) -> (u64, Arc<Notify>) {

@@ -75,27 +75,102 @@ async fn a_partitioned_member_node_is_counted_dead_then_comes_back() {
     assert!(s.next_reply(&g, LONG).await.is_ok());
     let f = s.next_reply(&g, LONG).await.unwrap_err();
     assert_eq!(f.status, Status::HostDead, "{f}\n{}", c.report());
-    // While cut off, node 3 is not counted.
-    wait_for("node 3 dropped from the group", LONG, || {
-        c.g(2)
-            .cached()
-            .iter()
-            .any(|i| i.gid == g && i.hosts == vec![NodeId(2)])
-    })
-    .await;
+    // While cut off, node 3's member is not counted: node 2's sends report
+    // its node unreachable. It stays a member (a death verdict is each
+    // node's own), so no table drops it.
     assert_eq!(s.send(&g, Payload::local(3u8)).await.unwrap(), 1);
-    // Healed: node 3 introduces itself again and its member counts again.
+    assert_eq!(
+        s.delivery(&g).unwrap().lost,
+        vec![(NodeId(3), Status::HostDead)]
+    );
+    assert_eq!(hosts(&c, 2, &g), vec![NodeId(2), NodeId(3)]);
+    // Healed: node 3's member counts again.
     c.cluster.plan.heal();
     c.cluster.converge().await;
-    wait_for("node 3 hosts the group again", LONG, || {
-        c.g(2)
-            .cached()
-            .iter()
-            .any(|i| i.gid == g && i.hosts == vec![NodeId(2), NodeId(3)])
+    assert_eq!(
+        s.send(&g, Payload::local(4u8)).await.unwrap(),
+        2,
+        "{}",
+        c.report()
+    );
+}
+
+/// The hosts of `g` in node `n`'s cached table.
+fn hosts(c: &GroupCluster, n: u32, g: &weft::GroupId) -> Vec<NodeId> {
+    c.g(n)
+        .cached()
+        .into_iter()
+        .find(|i| &i.gid == g)
+        .map(|i| i.hosts)
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_from_the_directory_alone_keeps_its_members() {
+    // Issue 16 at the group layer: only the link between the directory
+    // (node 1) and node 3 is cut. Node 1 declares node 3 dead on its own;
+    // node 2 still reaches it, so node 3's member stays a member: node 2
+    // delivers to it and counts it, and only node 1's sends report it
+    // unreachable (HostDead, to the sender).
+    let c = GroupCluster::start(3, 307).await;
+    let g = gid("fa:dircut");
+    c.g(1).create(&g, "").await.unwrap();
+    let m2 = c.g(2).join(&g, "").await.unwrap();
+    let m3 = c.g(3).join(&g, "").await.unwrap();
+    let both = vec![NodeId(2), NodeId(3)];
+    wait_for("every node knows both hosts", LONG, || {
+        (1..=3).all(|n| hosts(&c, n, &g) == both)
+    })
+    .await;
+    c.cluster.plan.partition(&[NodeId(1)], &[NodeId(3)]);
+    wait_for("node 1 declared node 3 dead", LONG, || {
+        c.node(1).endpoint().peer_status(NodeId(3)).is_some()
     })
     .await;
     assert_eq!(
-        s.send(&g, Payload::local(4u8)).await.unwrap(),
+        c.node(2).endpoint().peer_status(NodeId(3)),
+        None,
+        "node 2 still reaches node 3\n{}",
+        c.report()
+    );
+    // For longer than a push takes after the verdict (a removal pushed by
+    // the directory would reach node 2 well within it), every send from
+    // node 2 reaches both members.
+    let s = c.g(2).sender();
+    let until = std::time::Instant::now() + test_config().push_timeout;
+    let mut round = 0u32;
+    while round < 5 || std::time::Instant::now() < until {
+        round += 1;
+        assert_eq!(
+            s.send(&g, Payload::local(round)).await.unwrap(),
+            2,
+            "round {round}: node 3's member counts at node 2\n{}",
+            c.report()
+        );
+        assert_eq!(
+            m3.recv(&g, None).await.unwrap().decode::<u32>().unwrap(),
+            round
+        );
+        assert_eq!(
+            m2.recv(&g, None).await.unwrap().decode::<u32>().unwrap(),
+            round
+        );
+        tokio::time::sleep(HEARTBEAT).await;
+    }
+    assert_eq!(hosts(&c, 2, &g), both, "{}", c.report());
+    // The directory's own sender cannot reach node 3: it alone is told.
+    let s1 = c.g(1).sender();
+    assert_eq!(s1.send(&g, Payload::local(0u32)).await.unwrap(), 1);
+    assert_eq!(
+        s1.delivery(&g).unwrap().lost,
+        vec![(NodeId(3), Status::HostDead)]
+    );
+    assert_eq!(hosts(&c, 1, &g), both, "{}", c.report());
+    // Healed: the directory reaches node 3's member again.
+    c.cluster.plan.heal();
+    c.cluster.converge().await;
+    assert_eq!(
+        s1.send(&g, Payload::local(1u32)).await.unwrap(),
         2,
         "{}",
         c.report()

@@ -5,7 +5,10 @@
 //!
 //! Its state is soft: a restarted directory rebuilds the table from the
 //! caches and hosting lists that nodes send when they see it come back
-//! (`Sync`). Owns the table's rules (unique ids, secrets, hosting order) and
+//! (`Sync`). A node's members leave the table when they end for real (the
+//! node left or restarted), never on one node's failure verdict: the
+//! directory's lost link to a node says nothing about the node's links to
+//! the others. Owns the table's rules (unique ids, secrets, hosting order) and
 //! the bookkeeping of pushes waiting for acknowledgements. Must never send
 //! anything itself: it returns what to push and what to answer.
 
@@ -294,17 +297,40 @@ impl Directory {
         }
     }
 
-    /// Drops a dead node's members from every group. Returns the changes to
-    /// push.
-    pub fn node_dead(&mut self, node: NodeId) -> Vec<Change> {
-        self.hosting.retain(|(n, _), _| *n != node);
-        let touched: Vec<GroupId> = self
-            .groups
-            .iter_mut()
-            .filter_map(|(g, e)| e.hosts.remove(&node).then(|| g.clone()))
-            .collect();
+    /// Drops the members of incarnation `incarnation` of `node` (every
+    /// incarnation up to it; all of them when `None`) from every group: that
+    /// incarnation left in an orderly way or restarted, so its members are
+    /// gone for real. Hosting changes a later incarnation already made stay
+    /// (hosting sequence numbers carry the incarnation: see
+    /// [`hosting_seq_base`]). Returns the changes to push.
+    ///
+    /// Never called for a failure detector's verdict: that one node lost
+    /// its link to `node` does not end `node`'s members (docs/membership.md).
+    pub fn node_gone(&mut self, node: NodeId, incarnation: Option<Incarnation>) -> Vec<Change> {
+        let ended = |seq: u64| incarnation.is_none_or(|i| seq >> 32 <= u64::from(i.0));
+        let mut touched = Vec::new();
+        for (g, e) in self.groups.iter_mut() {
+            let key = (node, g.clone());
+            // A host adopted from a cache has no sequence number: it can only
+            // be from an ended incarnation or one that synced since.
+            let gone = self.hosting.get(&key).is_none_or(|s| ended(*s));
+            if gone {
+                self.hosting.remove(&key);
+                if e.hosts.remove(&node) {
+                    touched.push(g.clone());
+                }
+            }
+        }
         touched.iter().filter_map(|g| self.upsert(g)).collect()
     }
+}
+
+/// The first hosting sequence number of incarnation `inc` of a node: its
+/// hosting changes number from here up, so that those of a restarted node
+/// order after every change of its previous incarnations, and a late report
+/// that an old incarnation ended does not undo them.
+pub fn hosting_seq_base(inc: Incarnation) -> u64 {
+    u64::from(inc.0) << 32
 }
 
 fn no_such(gid: &GroupId) -> Failure {
@@ -491,7 +517,7 @@ mod tests {
             &all_alive,
         );
         assert!(late.changes.is_empty());
-        assert_eq!(d.node_dead(NodeId(2)).len(), 1);
+        assert_eq!(d.node_gone(NodeId(2), None).len(), 1);
         let bad = d.handle(
             NodeId(2),
             DirOp::Destroy {

@@ -83,6 +83,38 @@ impl Env {
     }
 }
 
+/// How a node stopped being reachable, as this node learned it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeLoss {
+    /// This node's failure detector declared it dead (HostDead: silent;
+    /// ProcDead: refused). A verdict about this node's links only: the node
+    /// may be alive for every other node, so its members stay members.
+    Unreachable(Status),
+    /// It left the cluster in an orderly way: its members are gone.
+    Left(Option<Incarnation>),
+    /// It restarted: the members of the incarnation given (and older ones)
+    /// are gone; the new incarnation joins again.
+    Restarted(Option<Incarnation>),
+}
+
+impl NodeLoss {
+    /// The status its lost members are reported with.
+    fn status(self) -> Status {
+        match self {
+            NodeLoss::Unreachable(s) => s,
+            NodeLoss::Left(_) | NodeLoss::Restarted(_) => Status::ProcDead,
+        }
+    }
+
+    /// The incarnation whose members ended for real, if they did.
+    fn ended(self) -> Option<Option<Incarnation>> {
+        match self {
+            NodeLoss::Unreachable(_) => None,
+            NodeLoss::Left(i) | NodeLoss::Restarted(i) => Some(i),
+        }
+    }
+}
+
 #[derive(Debug)]
 enum OpKind {
     /// A directory request a handle waits on.
@@ -139,7 +171,7 @@ impl Core {
             fanout: Fanout::default(),
             outbox: Outbox::new(cfg.retransmit, cfg.max_retransmit),
             hosting: HashMap::new(),
-            hosting_seq: 0,
+            hosting_seq: directory::hosting_seq_base(incarnation),
             ops: IdMap::default(),
             next_internal: INTERNAL,
             cfg,
@@ -1118,14 +1150,23 @@ impl Core {
         }
     }
 
-    /// Node `node` died (`status` HostDead or ProcDead; an orderly leave is
-    /// ProcDead): communications count its members as lost, members here
-    /// stop waiting on its senders, fan-outs stop waiting for it, and the
-    /// directory drops its members.
+    /// This node lost `node` (`loss`): communications count its members as
+    /// lost at their senders (T-Shoshin's HostDead/ProcDead, reported to the
+    /// sender for the members it cannot reach), members here stop waiting
+    /// on its senders, fan-outs stop waiting for it, pushes stop waiting
+    /// for its acknowledgement.
+    ///
+    /// Group membership changes only when the node's members ended for
+    /// real (an orderly leave or a restart): then the directory drops them
+    /// and pushes that to every node. A failure detector's verdict
+    /// ([`NodeLoss::Unreachable`]) is about this node's links alone and
+    /// never removes members: the directory losing its link to a node does
+    /// not make the node's members vanish for the nodes that still reach it
+    /// (docs/membership.md).
     pub fn on_node_dead(
         &mut self,
         node: NodeId,
-        status: Status,
+        loss: NodeLoss,
         env: &Env,
         now: Instant,
         out: &mut Vec<Action>,
@@ -1133,6 +1174,7 @@ impl Core {
         if node == self.me {
             return;
         }
+        let status = loss.status();
         for key in self.outbox.take_to(node) {
             self.give_up(key, node, status, env, now, out);
         }
@@ -1147,29 +1189,50 @@ impl Core {
         for f in self.fanout.node_dead(node, status) {
             self.send_finished(f, out);
         }
-        if env.directory == Some(self.me) {
-            let changes = self.directory.node_dead(node);
-            if !changes.is_empty() {
-                self.apply_changes(changes.clone(), now, out);
-                let peers: BTreeSet<NodeId> = env
-                    .peers
-                    .iter()
-                    .copied()
-                    .filter(|p| *p != node && *p != self.me)
-                    .collect();
-                let (push, _) = self.pushes.start(peers.clone(), None);
-                let deadline = now + self.cfg.push_timeout;
-                for p in peers {
-                    let msg = GroupMsg::Push {
-                        push,
-                        changes: changes.clone(),
-                    };
-                    self.send_armed(out, RetryKey::Push(push, p), p, msg, now, deadline);
-                }
-            }
-            for h in self.pushes.node_gone(node) {
-                self.answer(h, out);
-            }
+        if env.directory != Some(self.me) {
+            return;
+        }
+        for h in self.pushes.node_gone(node) {
+            self.answer(h, out);
+        }
+        let Some(incarnation) = loss.ended() else {
+            return;
+        };
+        let changes = self.directory.node_gone(node, incarnation);
+        if changes.is_empty() {
+            return;
+        }
+        self.apply_changes(changes.clone(), now, out);
+        let peers: BTreeSet<NodeId> = env
+            .peers
+            .iter()
+            .copied()
+            .filter(|p| *p != node && *p != self.me)
+            .collect();
+        let (push, _) = self.pushes.start(peers.clone(), None);
+        let deadline = now + self.cfg.push_timeout;
+        for p in peers {
+            let msg = GroupMsg::Push {
+                push,
+                changes: changes.clone(),
+            };
+            self.send_armed(out, RetryKey::Push(push, p), p, msg, now, deadline);
+        }
+    }
+
+    /// This node hears from `node` again after declaring it dead. Pushes
+    /// sent while the link was down are lost, so the cached table is
+    /// brought up to date: when `node` is the directory this node
+    /// introduces itself again (its answer is a snapshot); when this node
+    /// is the directory it asks `node` to do so.
+    pub fn on_node_back(&mut self, node: NodeId, env: &Env, now: Instant, out: &mut Vec<Action>) {
+        if node == self.me {
+            return;
+        }
+        if env.directory == Some(node) {
+            self.sync(env, now, out);
+        } else if env.directory == Some(self.me) {
+            self.post(out, node, GroupMsg::Resync);
         }
     }
 

@@ -3,8 +3,10 @@
 //! scheduler. Property tests run whole group communications through it,
 //! killing members and nodes at random moments, and check that every
 //! communication ends (no sender or member waits forever), that counts and
-//! replies agree, and that limits hold. A failure prints the seed and the
-//! event history.
+//! replies agree, and that limits hold. Links can also be cut one at a
+//! time: each end then declares the other dead on its own (a local verdict,
+//! as the transport's failure detector does) while both stay alive for
+//! everyone else. A failure prints the seed and the event history.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -16,7 +18,7 @@ use weft_wire::{Failure, GroupId, Incarnation, NodeId, Payload, Status, Tid};
 
 use super::fanout::Tree;
 use super::origin::{Progress, ReplyItem, Take};
-use super::{Action, Core, Env};
+use super::{Action, Core, Env, NodeLoss};
 use crate::config::GroupConfig;
 use crate::ids::{CommId, Tag};
 use crate::msg::{DirAnswer, DirOp, GroupMsg};
@@ -28,6 +30,11 @@ struct Sim {
     now: Instant,
     cores: BTreeMap<NodeId, Core>,
     alive: BTreeSet<NodeId>,
+    /// Cut links, as (lower, higher) node pairs: their messages are lost.
+    cut: BTreeSet<(NodeId, NodeId)>,
+    /// Local verdicts: (observer, peer) when the observer declared the
+    /// peer dead.
+    verdicts: BTreeSet<(NodeId, NodeId)>,
     net: Vec<(NodeId, NodeId, GroupMsg)>,
     done: HashMap<u64, Result<DirAnswer, Failure>>,
     next_op: u64,
@@ -59,6 +66,8 @@ impl Sim {
             now: Instant::now(),
             alive: cores.keys().copied().collect(),
             cores,
+            cut: BTreeSet::new(),
+            verdicts: BTreeSet::new(),
             net: Vec::new(),
             done: HashMap::new(),
             next_op: 1,
@@ -81,7 +90,12 @@ impl Sim {
     fn env(&self, me: NodeId) -> Env {
         Env {
             directory: self.alive.contains(&NodeId(1)).then_some(NodeId(1)),
-            peers: self.alive.iter().copied().filter(|n| *n != me).collect(),
+            peers: self
+                .alive
+                .iter()
+                .copied()
+                .filter(|n| *n != me && !self.verdicts.contains(&(me, *n)))
+                .collect(),
         }
     }
 
@@ -106,7 +120,9 @@ impl Sim {
         for a in out {
             match a {
                 Action::Send { to, msg, key } => {
-                    if self.alive.contains(&to) {
+                    // The transport refuses at once a send to a node this
+                    // node declared dead.
+                    if self.alive.contains(&to) && !self.verdicts.contains(&(node, to)) {
                         self.net.push((node, to, msg));
                     } else if let Some(key) = key {
                         self.run(node, |c, env, now, out| {
@@ -132,6 +148,11 @@ impl Sim {
         let i = self.rng.gen_range(0..self.net.len());
         let (from, to, msg) = self.net.swap_remove(i);
         if !self.alive.contains(&to) || !self.alive.contains(&from) {
+            return true;
+        }
+        if self.cut.contains(&pair(from, to)) {
+            self.history
+                .push(format!("cut n{}->n{} {}", from.0, to.0, msg.kind()));
             return true;
         }
         if self.rng.gen_bool(self.drop) {
@@ -195,10 +216,59 @@ impl Sim {
         self.alive.remove(&node);
         for n in self.alive.clone() {
             self.run(n, |c, env, now, out| {
-                c.on_node_dead(node, Status::HostDead, env, now, out)
+                c.on_node_dead(node, NodeLoss::Unreachable(Status::HostDead), env, now, out)
             });
         }
     }
+
+    /// Cuts the link between `a` and `b`: messages on it are lost, and each
+    /// declares the other dead (HostDead) on its own. Every other node
+    /// still reaches both.
+    fn cut_link(&mut self, a: NodeId, b: NodeId) {
+        self.history.push(format!("cut n{} n{}", a.0, b.0));
+        self.cut.insert(pair(a, b));
+        for (me, peer) in [(a, b), (b, a)] {
+            self.verdicts.insert((me, peer));
+            self.run(me, |c, env, now, out| {
+                c.on_node_dead(peer, NodeLoss::Unreachable(Status::HostDead), env, now, out)
+            });
+        }
+    }
+
+    /// Heals the link between `a` and `b`: each hears from the other again.
+    fn heal_link(&mut self, a: NodeId, b: NodeId) {
+        self.history.push(format!("heal n{} n{}", a.0, b.0));
+        self.cut.remove(&pair(a, b));
+        for (me, peer) in [(a, b), (b, a)] {
+            self.verdicts.remove(&(me, peer));
+            self.run(me, |c, env, now, out| c.on_node_back(peer, env, now, out));
+        }
+    }
+
+    /// Every other node learns that `node` was lost (`loss`).
+    fn tell(&mut self, node: NodeId, loss: NodeLoss) {
+        self.history.push(format!("tell n{} {loss:?}", node.0));
+        for n in self.alive.clone() {
+            if n != node {
+                self.run(n, |c, env, now, out| {
+                    c.on_node_dead(node, loss, env, now, out)
+                });
+            }
+        }
+    }
+
+    /// Node `node` restarts as incarnation `inc`: its state and the
+    /// messages in flight to and from it are gone. Nobody is told yet.
+    fn restart(&mut self, node: NodeId, inc: Incarnation) {
+        self.history.push(format!("restart n{} as {inc}", node.0));
+        let cfg = self.cores[&node].config().clone();
+        self.cores.insert(node, Core::new(node, inc, cfg));
+        self.net.retain(|(f, t, _)| *f != node && *t != node);
+    }
+}
+
+fn pair(a: NodeId, b: NodeId) -> (NodeId, NodeId) {
+    (a.min(b), a.max(b))
 }
 
 fn msg_summary(m: &GroupMsg) -> String {
@@ -229,6 +299,25 @@ fn group() -> GroupId {
 /// Creates the group from node 2 and joins `members` members spread over
 /// the nodes. Returns (node, member id) pairs.
 fn populate(sim: &mut Sim, members: usize) -> Vec<(NodeId, u64)> {
+    let v = create(sim);
+    let nodes: Vec<NodeId> = sim.cores.keys().copied().collect();
+    let mut joined = Vec::new();
+    for _ in 0..members {
+        let node = nodes[sim.rng.gen_range(0..nodes.len())];
+        // Nodes (re)introduce themselves to the directory at random
+        // moments, racing with joins (a stale introduction must not undo a
+        // newer join).
+        if sim.rng.gen_bool(0.3) {
+            let n = nodes[sim.rng.gen_range(0..nodes.len())];
+            sim.run(n, |c, env, now, out| c.sync(env, now, out));
+        }
+        joined.push((node, join_at(sim, node, v)));
+    }
+    joined
+}
+
+/// Creates the group from node 2; returns its secret's verifier.
+fn create(sim: &mut Sim) -> Verifier {
     let v = Verifier::new(b"pw");
     let op = sim.op();
     sim.run(NodeId(2), |c, env, now, out| {
@@ -246,33 +335,33 @@ fn populate(sim: &mut Sim, members: usize) -> Vec<(NodeId, u64)> {
     if let Err(f) = sim.wait_op(op) {
         panic!("create failed: {f}\n{}", sim.report());
     }
-    let nodes: Vec<NodeId> = sim.cores.keys().copied().collect();
-    let mut joined = Vec::new();
-    for i in 0..members {
-        let node = nodes[sim.rng.gen_range(0..nodes.len())];
-        // Nodes (re)introduce themselves to the directory at random
-        // moments, racing with joins (a stale introduction must not undo a
-        // newer join).
-        if sim.rng.gen_bool(0.3) {
-            let n = nodes[sim.rng.gen_range(0..nodes.len())];
-            sim.run(n, |c, env, now, out| c.sync(env, now, out));
-        }
-        let id = sim.cores.get_mut(&node).unwrap().new_member().unwrap();
-        let op = sim.op();
-        let key = v.key_for(b"pw");
-        let mut now_done = false;
-        sim.run(node, |c, env, now, out| {
-            now_done = c
-                .join(op, id, &group(), key, env, now, out)
-                .expect("join starts");
-        });
-        if !now_done {
-            sim.wait_op(op)
-                .unwrap_or_else(|f| panic!("join {i} failed: {f}\n{}", sim.report()));
-        }
-        joined.push((node, id));
+    v
+}
+
+/// A new member at `node` joins the group; returns its id.
+fn join_at(sim: &mut Sim, node: NodeId, v: Verifier) -> u64 {
+    let id = sim.cores.get_mut(&node).unwrap().new_member().unwrap();
+    let op = sim.op();
+    let key = v.key_for(b"pw");
+    let mut now_done = false;
+    sim.run(node, |c, env, now, out| {
+        now_done = c
+            .join(op, id, &group(), key, env, now, out)
+            .expect("join starts");
+    });
+    if !now_done {
+        sim.wait_op(op)
+            .unwrap_or_else(|f| panic!("join at n{} failed: {f}\n{}", node.0, sim.report()));
     }
-    joined
+    id
+}
+
+/// The group's hosts in `node`'s cached table.
+fn hosts_at(sim: &Sim, node: NodeId) -> Vec<NodeId> {
+    sim.cores[&node]
+        .record(&group())
+        .map(|r| r.hosts.clone())
+        .unwrap_or_default()
 }
 
 fn send(sim: &mut Sim, from: NodeId, sender: u64) -> CommId {
@@ -538,4 +627,146 @@ fn transaction_multicast_reaches_every_participant_once() {
         .receive(0, None, None)
         .unwrap()
         .is_none());
+}
+
+/// Issue 16 at the group layer: only the directory's link to `victim` is
+/// cut. The directory declares it dead on its own; every other node still
+/// reaches it. Its members must stay members: nodes that reach it count
+/// them, and the directory's senders get HostDead for them alone.
+fn check_directory_cut(seed: u64) {
+    let mut sim = Sim::new(seed, 4, 0.0);
+    let members = populate(&mut sim, 2 + (seed % 6) as usize);
+    sim.settle(Duration::from_millis(50));
+    let hosts: Vec<NodeId> = members
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let victim = NodeId(2 + (seed % 3) as u32);
+    let victims = members.iter().filter(|(n, _)| *n == victim).count() as u32;
+    sim.cut_link(NodeId(1), victim);
+    // Past every push and directory timeout.
+    sim.settle(Duration::from_secs(2));
+    for n in 1..=4 {
+        assert_eq!(
+            hosts_at(&sim, NodeId(n)),
+            hosts,
+            "n{n}'s table after the directory lost its link to n{}\n{}",
+            victim.0,
+            sim.report()
+        );
+    }
+    // A node reaching everyone counts every member, the victim's included.
+    let from = [NodeId(2), NodeId(3), NodeId(4)]
+        .into_iter()
+        .filter(|n| *n != victim)
+        .nth((seed % 2) as usize)
+        .expect("two other nodes");
+    let comm = send(&mut sim, from, 1);
+    assert_eq!(
+        counted(&mut sim, from, &comm) as usize,
+        members.len(),
+        "n{} counts every member\n{}",
+        from.0,
+        sim.report()
+    );
+    // The directory's own sender cannot reach the victim: HostDead for its
+    // members, reported to the sender only.
+    let comm = send(&mut sim, NodeId(1), 1);
+    let count = counted(&mut sim, NodeId(1), &comm);
+    assert_eq!(count as usize, members.len() - victims as usize);
+    let d = sim.cores[&NodeId(1)]
+        .delivery(1, &group())
+        .expect("a delivery report");
+    assert_eq!(
+        d.lost.contains(&(victim, Status::HostDead)),
+        victims > 0,
+        "{d:?}\n{}",
+        sim.report()
+    );
+    // Healed: the directory reaches the victim's members again.
+    sim.heal_link(NodeId(1), victim);
+    sim.settle(Duration::from_millis(500));
+    let comm = send(&mut sim, NodeId(1), 2);
+    assert_eq!(
+        counted(&mut sim, NodeId(1), &comm) as usize,
+        members.len(),
+        "{}",
+        sim.report()
+    );
+    assert_eq!(hosts_at(&sim, NodeId(2)), hosts, "{}", sim.report());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, .. ProptestConfig::default() })]
+
+    #[test]
+    fn a_node_cut_from_the_directory_alone_keeps_its_members(seed in any::<u64>()) {
+        check_directory_cut(seed);
+    }
+}
+
+#[test]
+fn a_node_that_left_loses_its_members_everywhere() {
+    let mut sim = Sim::new(21, 3, 0.0);
+    let v = create(&mut sim);
+    join_at(&mut sim, NodeId(2), v);
+    join_at(&mut sim, NodeId(3), v);
+    assert_eq!(hosts_at(&sim, NodeId(2)), vec![NodeId(2), NodeId(3)]);
+    sim.alive.remove(&NodeId(3));
+    sim.tell(NodeId(3), NodeLoss::Left(Some(Incarnation(1))));
+    sim.settle(Duration::from_millis(200));
+    for n in [1, 2] {
+        assert_eq!(
+            hosts_at(&sim, NodeId(n)),
+            vec![NodeId(2)],
+            "{}",
+            sim.report()
+        );
+    }
+}
+
+#[test]
+fn a_restart_ends_the_old_members_not_the_new_ones() {
+    let mut sim = Sim::new(22, 3, 0.0);
+    let v = create(&mut sim);
+    join_at(&mut sim, NodeId(2), v);
+    join_at(&mut sim, NodeId(3), v);
+    join_at(&mut sim, NodeId(3), v);
+    // Node 3 restarts and a new member joins before the directory hears
+    // that the old incarnation is over (the report of the restart and the
+    // new incarnation's messages travel separately).
+    sim.restart(NodeId(3), Incarnation(2));
+    sim.run(NodeId(3), |c, env, now, out| c.sync(env, now, out));
+    sim.settle(Duration::from_millis(50));
+    let fresh = join_at(&mut sim, NodeId(3), v);
+    sim.tell(NodeId(3), NodeLoss::Restarted(Some(Incarnation(1))));
+    sim.settle(Duration::from_millis(200));
+    for n in [1, 2, 3] {
+        assert_eq!(
+            hosts_at(&sim, NodeId(n)),
+            vec![NodeId(2), NodeId(3)],
+            "n{n}\n{}",
+            sim.report()
+        );
+    }
+    let comm = send(&mut sim, NodeId(1), 1);
+    assert_eq!(counted(&mut sim, NodeId(1), &comm), 2, "{}", sim.report());
+    let got = sim
+        .cores
+        .get_mut(&NodeId(3))
+        .unwrap()
+        .receive(fresh, Some(&group()), None);
+    assert!(matches!(got, Ok(Some(_))), "{got:?}\n{}", sim.report());
+    // Without a new member, the restart drops the node from the group.
+    sim.restart(NodeId(3), Incarnation(3));
+    sim.tell(NodeId(3), NodeLoss::Restarted(Some(Incarnation(2))));
+    sim.settle(Duration::from_millis(200));
+    assert_eq!(
+        hosts_at(&sim, NodeId(2)),
+        vec![NodeId(2)],
+        "{}",
+        sim.report()
+    );
 }
