@@ -373,6 +373,14 @@ async fn a_restarted_directory_rebuilds_the_table_from_the_nodes() {
         },
     )
     .await;
+    // A host is listed from the first node's cache, before the new
+    // directory reaches it: the send waits for the links, not the table.
+    wait_for("the new directory reaches nodes 2 and 3", LONG, || {
+        [NodeId(2), NodeId(3)]
+            .iter()
+            .all(|n| restarted.endpoint().peer_status(*n).is_none())
+    })
+    .await;
     let s = g1.sender();
     assert_eq!(
         s.send(&g, Payload::local(1u8)).await.unwrap(),

@@ -151,9 +151,8 @@ impl Directory {
         }
     }
 
-    /// Handles one request from node `from`. `alive` says which nodes are
-    /// alive (a restarted directory adopts hosts only for live nodes).
-    pub fn handle(&mut self, from: NodeId, op: DirOp, alive: &dyn Fn(NodeId) -> bool) -> Outcome {
+    /// Handles one request from node `from`.
+    pub fn handle(&mut self, from: NodeId, op: DirOp) -> Outcome {
         match op {
             DirOp::Create { gid, verifier } => {
                 if matches!(gid, GroupId::Tx(_)) {
@@ -251,7 +250,10 @@ impl Directory {
                     if self.groups.len() >= self.max_groups {
                         break;
                     }
-                    let hosts = rec.hosts.iter().copied().filter(|n| alive(*n)).collect();
+                    // Every host listed, reachable from here or not: a
+                    // host's own Sync corrects its entries, and this node's
+                    // verdicts end no members (docs/membership.md §3).
+                    let hosts = rec.hosts.iter().copied().collect();
                     self.groups.insert(
                         rec.gid.clone(),
                         Entry {
@@ -452,10 +454,6 @@ mod tests {
         s.parse().unwrap()
     }
 
-    fn all_alive(_: NodeId) -> bool {
-        true
-    }
-
     #[test]
     fn create_host_destroy() {
         let mut d = Directory::new(Incarnation(1), 10);
@@ -467,7 +465,6 @@ mod tests {
                 gid: g.clone(),
                 verifier: v,
             },
-            &all_alive,
         );
         assert!(out.wait && out.result.is_ok() && out.changes.len() == 1);
         let again = d.handle(
@@ -476,7 +473,6 @@ mod tests {
                 gid: g.clone(),
                 verifier: v,
             },
-            &all_alive,
         );
         assert_eq!(again.result.unwrap_err().status, Status::Refused);
         let wrong = d.handle(
@@ -487,7 +483,6 @@ mod tests {
                 seq: 1,
                 key: Some(v.key_for(b"no")),
             },
-            &all_alive,
         );
         assert_eq!(wrong.result.unwrap_err().status, Status::WrongSecret);
         let host = d.handle(
@@ -498,7 +493,6 @@ mod tests {
                 seq: 1,
                 key: Some(v.key_for(b"pw")),
             },
-            &all_alive,
         );
         assert!(host.wait);
         let Change::Upsert(rec) = &host.changes[0] else {
@@ -514,7 +508,6 @@ mod tests {
                 seq: 1,
                 key: None,
             },
-            &all_alive,
         );
         assert!(late.changes.is_empty());
         assert_eq!(d.node_gone(NodeId(2), None).len(), 1);
@@ -524,7 +517,6 @@ mod tests {
                 gid: g.clone(),
                 key: v.key_for(b"x"),
             },
-            &all_alive,
         );
         assert_eq!(bad.result.unwrap_err().status, Status::WrongSecret);
         let ok = d.handle(
@@ -533,10 +525,9 @@ mod tests {
                 gid: g.clone(),
                 key: v.key_for(b"pw"),
             },
-            &all_alive,
         );
         assert!(matches!(ok.changes[0], Change::Remove { .. }));
-        let gone = d.handle(NodeId(2), DirOp::Lookup { gid: g }, &all_alive);
+        let gone = d.handle(NodeId(2), DirOp::Lookup { gid: g });
         assert_eq!(gone.result.unwrap_err().status, Status::NoSuchGroup);
     }
 
@@ -550,7 +541,6 @@ mod tests {
                 class: "c".into(),
                 verifier: v,
             },
-            &all_alive,
         );
         assert_eq!(a.result.unwrap(), DirAnswer::Allocated(gid("c:g1")));
         d.handle(
@@ -559,7 +549,6 @@ mod tests {
                 gid: gid("c:g2"),
                 verifier: v,
             },
-            &all_alive,
         );
         let full = d.handle(
             NodeId(1),
@@ -567,7 +556,6 @@ mod tests {
                 gid: gid("c:x"),
                 verifier: v,
             },
-            &all_alive,
         );
         assert_eq!(full.result.unwrap_err().status, Status::NoBuffer);
         let bad = d.handle(
@@ -576,7 +564,6 @@ mod tests {
                 class: "tx".into(),
                 verifier: v,
             },
-            &all_alive,
         );
         assert_eq!(bad.result.unwrap_err().status, Status::BadRequest);
     }
@@ -591,7 +578,6 @@ mod tests {
                 gid: gid("a:b"),
                 verifier: v,
             },
-            &all_alive,
         );
         old.handle(
             NodeId(2),
@@ -601,7 +587,6 @@ mod tests {
                 seq: 1,
                 key: Some(v.key_for(b"pw")),
             },
-            &all_alive,
         );
         old.handle(
             NodeId(3),
@@ -611,11 +596,9 @@ mod tests {
                 seq: 1,
                 key: Some(v.key_for(b"pw")),
             },
-            &all_alive,
         );
         let cached = old.records();
         let mut new = Directory::new(Incarnation(2), 10);
-        let alive = |n: NodeId| n != NodeId(3);
         let out = new.handle(
             NodeId(2),
             DirOp::Sync {
@@ -623,12 +606,13 @@ mod tests {
                 seq: 1,
                 known: cached.clone(),
             },
-            &alive,
         );
         let DirAnswer::Snapshot { records, at } = out.result.unwrap() else {
             panic!()
         };
-        assert_eq!(records[0].hosts, vec![NodeId(2)], "dead node 3 not adopted");
+        // Node 3 is listed although it has not synced (it may be out of the
+        // new directory's reach, not gone).
+        assert_eq!(records[0].hosts, vec![NodeId(2), NodeId(3)]);
         assert_eq!(at.epoch, Incarnation(2));
         assert_eq!(records[0].verifier, v);
         // Stale caches from this epoch do not resurrect destroyed groups.
@@ -641,7 +625,6 @@ mod tests {
                 seq: 0,
                 known: stale,
             },
-            &alive,
         );
         assert_eq!(new.len(), 1);
         // A sync written before a later hosting change does not undo it.
@@ -651,20 +634,26 @@ mod tests {
             seq: 3,
             key: Some(v.key_for(b"pw")),
         };
-        new.handle(NodeId(5), host, &alive);
+        new.handle(NodeId(5), host);
         let sync = |seq| DirOp::Sync {
             hosting: vec![],
             seq,
             known: vec![],
         };
-        let late = new.handle(NodeId(5), sync(2), &alive);
+        let late = new.handle(NodeId(5), sync(2));
         let DirAnswer::Snapshot { records, .. } = late.result.unwrap() else {
             panic!()
         };
-        assert_eq!(records[0].hosts, vec![NodeId(2), NodeId(5)]);
+        assert_eq!(records[0].hosts, vec![NodeId(2), NodeId(3), NodeId(5)]);
         // A newer one does.
-        let newer = new.handle(NodeId(5), sync(4), &alive);
+        let newer = new.handle(NodeId(5), sync(4));
         let DirAnswer::Snapshot { records, .. } = newer.result.unwrap() else {
+            panic!()
+        };
+        assert_eq!(records[0].hosts, vec![NodeId(2), NodeId(3)]);
+        // Node 3's own Sync is authoritative for it.
+        let three = new.handle(NodeId(3), sync(hosting_seq_base(Incarnation(2))));
+        let DirAnswer::Snapshot { records, .. } = three.result.unwrap() else {
             panic!()
         };
         assert_eq!(records[0].hosts, vec![NodeId(2)]);

@@ -77,12 +77,6 @@ pub struct Env {
     pub peers: Vec<NodeId>,
 }
 
-impl Env {
-    fn alive(&self, me: NodeId, n: NodeId) -> bool {
-        n == me || self.peers.contains(&n)
-    }
-}
-
 /// How a node stopped being reachable, as this node learned it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NodeLoss {
@@ -1058,7 +1052,7 @@ impl Core {
             return;
         }
         let me = self.me;
-        let outcome = self.directory.handle(from, op, &|n| env.alive(me, n));
+        let outcome = self.directory.handle(from, op);
         let held = Held {
             to: from,
             req,

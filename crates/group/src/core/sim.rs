@@ -770,3 +770,37 @@ fn a_restart_ends_the_old_members_not_the_new_ones() {
         sim.report()
     );
 }
+
+#[test]
+fn a_restarted_directory_keeps_the_members_of_a_node_it_cannot_reach() {
+    let mut sim = Sim::new(23, 3, 0.0);
+    let v = create(&mut sim);
+    join_at(&mut sim, NodeId(2), v);
+    join_at(&mut sim, NodeId(3), v);
+    sim.settle(Duration::from_millis(50));
+    // The directory restarts, and its new incarnation cannot reach node 3;
+    // node 2 reaches both. Node 2 introduces itself with its cached table.
+    sim.restart(NodeId(1), Incarnation(2));
+    sim.cut_link(NodeId(1), NodeId(3));
+    sim.run(NodeId(2), |c, env, now, out| {
+        c.on_node_dead(
+            NodeId(1),
+            NodeLoss::Restarted(Some(Incarnation(1))),
+            env,
+            now,
+            out,
+        );
+        c.sync(env, now, out);
+    });
+    sim.settle(Duration::from_millis(500));
+    for n in [1, 2] {
+        assert_eq!(
+            hosts_at(&sim, NodeId(n)),
+            vec![NodeId(2), NodeId(3)],
+            "n{n}\n{}",
+            sim.report()
+        );
+    }
+    let comm = send(&mut sim, NodeId(2), 1);
+    assert_eq!(counted(&mut sim, NodeId(2), &comm), 2, "{}", sim.report());
+}
