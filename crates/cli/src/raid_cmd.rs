@@ -67,7 +67,9 @@ pub enum RaidCmd {
         #[arg(long)]
         json: bool,
         /// Write one JSON line per transaction the client was told
-        /// committed (time, answering site, request) to this file.
+        /// committed (time, answering site, request) to this file, and
+        /// lines counting the failed attempts (at most four a second per
+        /// site and status).
         #[arg(long)]
         acks: Option<std::path::PathBuf>,
     },
@@ -265,8 +267,10 @@ pub async fn run_remote(
             async move {
                 let asked = acks.is_some().then(|| req.clone());
                 let r: Result<weft_raid::AdReply, Failure> = c.call(&ad, req, None).await;
-                if let (Some(acks), Some(req), Ok(_)) = (acks, asked, &r) {
-                    acks.record(s.id, &req);
+                match (acks, asked, &r) {
+                    (Some(acks), Some(req), Ok(_)) => acks.record(s.id, &req),
+                    (Some(acks), _, Err(f)) => acks.failed(s.id, f),
+                    _ => {}
                 }
                 r.map(|r| r.0)
             }

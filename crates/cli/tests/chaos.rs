@@ -50,6 +50,16 @@ fn sites_killed_and_partitioned_at_random_lose_no_acknowledged_commit() {
     let seeds = env_u64("WEFT_CHAOS_SEEDS").unwrap_or(1).max(1);
     let secs = env_u64("WEFT_CHAOS_SECS").unwrap_or(20);
     let sites = 3;
+    let kinds: Vec<String> = std::env::var("WEFT_CHAOS_KINDS")
+        .map(|v| v.split(',').map(|k| k.trim().to_string()).collect())
+        .unwrap_or_default();
+    for k in &kinds {
+        assert!(
+            harness::KINDS.contains(&k.as_str()),
+            "WEFT_CHAOS_KINDS: unknown kind {k:?} (one of {:?})",
+            harness::KINDS
+        );
+    }
     println!(
         "chaos: seeds {first}..{} ({seeds}), {secs} s of faults each",
         first + seeds
@@ -73,6 +83,7 @@ fn sites_killed_and_partitioned_at_random_lose_no_acknowledged_commit() {
             fault_time: Duration::from_secs(secs),
             tail: Duration::from_secs(8),
             partitions: net.is_some(),
+            kinds: kinds.clone(),
         };
         let problems = Chaos::new(opts, net).run();
         if !problems.is_empty() {
@@ -102,6 +113,7 @@ fn a_seed_always_gives_the_same_schedule_with_every_kind_of_fault() {
         fault_time: Duration::from_secs(20),
         tail: Duration::from_secs(8),
         partitions: true,
+        kinds: Vec::new(),
     };
     let a = harness::schedule(&opts(7));
     let b = harness::schedule(&opts(7));

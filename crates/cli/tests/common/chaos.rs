@@ -131,19 +131,30 @@ pub struct Options {
     pub tail: Duration,
     /// Put the sites in network namespaces and include partitions.
     pub partitions: bool,
+    /// Only these kinds of fault (all of [`KINDS`] when empty).
+    pub kinds: Vec<String>,
 }
 
+/// The kinds of fault: kill one site (not site 1), kill site 1 (the one
+/// the client's --node names), kill several, kill all, partition one site
+/// from the others (in namespaces only).
+pub const KINDS: [&str; 5] = ["one", "gateway", "several", "all", "isolate"];
+
 /// The faults of a seed: kinds in seeded shuffled rounds, each fault
-/// lasting 1-2.5 s and followed by 3-5 s of every site up, until
+/// lasting 1-2.5 s and followed by 5.5-8 s of every site up (longer than
+/// [`MAX_STALL`], so that a stall after any heal shows), until
 /// `opts.fault_time` is used and at least one round (one fault of each
 /// kind) is done.
 pub fn schedule(opts: &Options) -> Vec<Step> {
     let mut rng = Rng::new(opts.seed);
     let n = opts.sites as u64;
-    let mut kinds = vec!["one", "gateway", "several", "all"];
-    if opts.partitions {
-        kinds.push("isolate");
-    }
+    let kinds: Vec<&str> = KINDS
+        .iter()
+        .copied()
+        .filter(|k| opts.partitions || *k != "isolate")
+        .filter(|k| opts.kinds.is_empty() || opts.kinds.iter().any(|w| w == k))
+        .collect();
+    assert!(!kinds.is_empty(), "no kind of fault left to run");
     let mut steps = Vec::new();
     let mut used = Duration::ZERO;
     'rounds: loop {
@@ -167,7 +178,7 @@ pub fn schedule(opts: &Options) -> Vec<Step> {
             let step = Step {
                 fault,
                 down: rng.ms(1000, 2500),
-                gap: rng.ms(3000, 5000),
+                gap: rng.ms(5500, 8000),
             };
             used += step.down + step.gap;
             steps.push(step);
@@ -260,6 +271,9 @@ fn tail(path: &Path, lines: usize) -> String {
     v[v.len().saturating_sub(lines)..].join("\n")
 }
 
+/// JSON lines with their time (ms since the epoch).
+type Lines = Vec<(u64, Value)>;
+
 /// What identifies a tpcb transaction's history row.
 type RowKey = (u64, u64, u64, i64);
 
@@ -335,6 +349,10 @@ impl Chaos {
             }
             None => Command::new(weft_bin()),
         };
+        // The sites' log filter (WEFT_LOG syntax); warnings by default.
+        if let Ok(filter) = std::env::var("WEFT_CHAOS_LOG") {
+            cmd.env("WEFT_LOG", filter);
+        }
         cmd.args(["raid", "site", "--id", &id.to_string()])
             .args(["--listen", &self.addrs[id - 1]])
             .args(["--data-dir", &data.display().to_string()])
@@ -596,11 +614,13 @@ impl Chaos {
                     .push(format!("weft raid run printed no report ({e}): {out}{err}")),
             },
         }
-        let acked = read_acks(&acks);
+        let (acked, failures) = read_acks(&acks);
+        self.note_failures(&failures);
         self.check_liveness(&acked, end_ms);
         if let Err(e) = self.wait_joined(Duration::from_secs(20)) {
             self.problems.push(format!("membership after the run: {e}"));
         }
+        self.check_fresh_client();
         self.check_copies(&acked);
         let problems = std::mem::take(&mut self.problems);
         if problems.is_empty() {
@@ -612,6 +632,36 @@ impl Chaos {
         } else {
             self.fail(problems)
         }
+    }
+
+    /// Notes the client's failed attempts between one event and the next,
+    /// by the site it called and the status (with the last detail).
+    fn note_failures(&mut self, failures: &[(u64, Value)]) {
+        let mut s =
+            String::from("failed attempts by phase (site it called: status x count, last detail):");
+        for (i, e) in self.events.iter().enumerate() {
+            let end = self.events.get(i + 1).map(|n| n.ms).unwrap_or(u64::MAX);
+            let mut by: BTreeMap<(u64, String), (u64, String)> = BTreeMap::new();
+            for (_, f) in failures.iter().filter(|(ms, _)| *ms >= e.ms && *ms < end) {
+                let k = (
+                    f["site"].as_u64().unwrap_or(0),
+                    f["failed"].as_str().unwrap_or("?").to_string(),
+                );
+                let v = by.entry(k).or_default();
+                v.0 += f["n"].as_u64().unwrap_or(0);
+                if let Some(d) = f["detail"].as_str().filter(|d| !d.is_empty()) {
+                    v.1 = d.to_string();
+                }
+            }
+            if by.is_empty() {
+                continue;
+            }
+            let _ = write!(s, "\n    after \"{}\":", e.what);
+            for ((site, status), (n, detail)) in by {
+                let _ = write!(s, "\n      site {site}: {status} x{n} ({detail})");
+            }
+        }
+        self.notes.push(s);
     }
 
     /// Prints the report of a failed run; returns its problems.
@@ -768,6 +818,42 @@ impl Chaos {
                     after.join(" ")
                 )),
             }
+        }
+    }
+
+    /// Commits resume for a new client: a short `weft raid run` after the
+    /// schedule commits (telling a stall of the sites from one of the
+    /// long-running client's links).
+    fn check_fresh_client(&mut self) {
+        let (code, out, err) = weft(&[
+            "raid",
+            "run",
+            "--node",
+            &self.addrs[0],
+            "--secret",
+            SECRET,
+            "--clients",
+            &self.opts.clients.to_string(),
+            "--duration",
+            "3s",
+            "--seed",
+            &self.opts.seed.wrapping_add(1).to_string(),
+            "--json",
+        ]);
+        let v: Option<Value> = serde_json::from_str(&out).ok().filter(|_| code == 0);
+        match v {
+            Some(v) if v["committed"].as_u64().unwrap_or(0) > 0 => self.notes.push(format!(
+                "a new client after the schedule: {} committed in 3 s of {} attempts, aborts {}",
+                v["committed"], v["attempts"], v["aborts"]
+            )),
+            Some(v) => self.problems.push(format!(
+                "commits resume: a new client after the schedule committed nothing in 3 s ({} attempts, aborts {}, e.g. {})",
+                v["attempts"], v["aborts"], v["abort_samples"]
+            )),
+            None => self.problems.push(format!(
+                "commits resume: a new client after the schedule failed (exit {code}): {}",
+                err.trim()
+            )),
         }
     }
 
@@ -988,12 +1074,13 @@ fn sleep_until(t: Instant) {
     }
 }
 
-/// The acknowledgements of `weft raid run --acks`: (ms, line).
-fn read_acks(path: &Path) -> Vec<(u64, Value)> {
+/// The lines of `weft raid run --acks`: (ms, line) of the
+/// acknowledgements, and of the failure counts.
+fn read_acks(path: &Path) -> (Lines, Lines) {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter_map(|v| Some((v["ms"].as_u64()?, v)))
-        .collect()
+        .partition(|(_, v)| v.get("req").is_some())
 }
