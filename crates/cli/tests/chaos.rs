@@ -84,6 +84,7 @@ fn sites_killed_and_partitioned_at_random_lose_no_acknowledged_commit() {
             tail: Duration::from_secs(8),
             partitions: net.is_some(),
             kinds: kinds.clone(),
+            fresh_client: std::env::var("WEFT_CHAOS_FRESH_CLIENT").is_ok_and(|v| v == "1"),
         };
         let problems = Chaos::new(opts, net).run();
         if !problems.is_empty() {
@@ -114,6 +115,7 @@ fn a_seed_always_gives_the_same_schedule_with_every_kind_of_fault() {
         tail: Duration::from_secs(8),
         partitions: true,
         kinds: Vec::new(),
+        fresh_client: false,
     };
     let a = harness::schedule(&opts(7));
     let b = harness::schedule(&opts(7));

@@ -133,6 +133,9 @@ pub struct Options {
     pub partitions: bool,
     /// Only these kinds of fault (all of [`KINDS`] when empty).
     pub kinds: Vec<String>,
+    /// Start a new `weft raid run` after every heal (a diagnostic mode that
+    /// hides the client's own reconnects, to see what lies beyond them).
+    pub fresh_client: bool,
 }
 
 /// The kinds of fault: kill one site (not site 1), kill site 1 (the one
@@ -214,6 +217,9 @@ pub struct Chaos {
     sites: Vec<Option<SiteProc>>,
     addrs: Vec<String>,
     run: Option<Child>,
+    /// How many `weft raid run`s were started (the last one's files are
+    /// run<runs-1>.out/.err, each one's acknowledgements acks<k>.jsonl).
+    runs: usize,
     events: Vec<Event>,
     problems: Vec<String>,
     notes: Vec<String>,
@@ -297,6 +303,7 @@ impl Chaos {
             steps,
             addrs,
             run: None,
+            runs: 0,
             events: Vec::new(),
             problems: Vec::new(),
             notes: Vec::new(),
@@ -461,12 +468,13 @@ impl Chaos {
     }
 
     fn event(&mut self, what: String, all_up: bool) {
-        println!("  [{}] {what}", self.rel(now_ms()));
-        self.events.push(Event {
-            ms: now_ms(),
-            what,
-            all_up,
-        });
+        self.event_at(now_ms(), what, all_up);
+    }
+
+    /// An event that began at `ms` (before the action it names).
+    fn event_at(&mut self, ms: u64, what: String, all_up: bool) {
+        println!("  [{}] {what}", self.rel(ms));
+        self.events.push(Event { ms, what, all_up });
     }
 
     /// `t+S.SSS s` from the start of the run.
@@ -485,10 +493,11 @@ impl Chaos {
             o.seed,
             o.sites,
             o.clients,
-            if o.partitions {
-                "kills and partitions, TCP only"
-            } else {
-                "kills only"
+            match (o.partitions, o.fresh_client) {
+                (true, false) => "kills and partitions, TCP only",
+                (false, false) => "kills only",
+                (true, true) => "kills and partitions, TCP only, a new client after each heal",
+                (false, true) => "kills only, a new client after each heal",
             },
             self.schedule_text()
         );
@@ -518,20 +527,7 @@ impl Chaos {
         // The load, long enough for the schedule and the tail.
         let planned: Duration = self.steps.iter().map(|s| s.down + s.gap).sum();
         let duration = o.warmup + planned + o.tail + Duration::from_secs(5);
-        let acks = self.path("acks.jsonl");
-        let run_out = std::fs::File::create(self.path("run.out")).unwrap();
-        let run_err = std::fs::File::create(self.path("run.err")).unwrap();
-        let run = Command::new(weft_bin())
-            .args(["raid", "run", "--node", &self.addrs[0], "--secret", SECRET])
-            .args(["--clients", &o.clients.to_string()])
-            .args(["--duration", &format!("{}ms", duration.as_millis())])
-            .args(["--seed", &o.seed.to_string(), "--json"])
-            .args(["--acks", &acks.display().to_string()])
-            .stdout(Stdio::from(run_out))
-            .stderr(Stdio::from(run_err))
-            .spawn()
-            .expect("weft raid run starts");
-        self.run = Some(run);
+        self.start_run(duration);
         let started = Instant::now();
         self.event("weft raid run started".into(), true);
         self.load_end_ms = now_ms() + duration.as_millis() as u64;
@@ -543,10 +539,11 @@ impl Chaos {
             sleep_until(started + at);
             match &st.fault {
                 Fault::Kill(ids) => {
+                    let ms = now_ms();
                     for id in ids {
                         self.kill_site(*id);
                     }
-                    self.event(format!("fault {}: {}", i + 1, st.fault), false);
+                    self.event_at(ms, format!("fault {}: {}", i + 1, st.fault), false);
                     std::thread::sleep(st.down);
                     // Site 1 first: the others join through it.
                     let mut up = true;
@@ -558,19 +555,22 @@ impl Chaos {
                         }
                     }
                     self.event(format!("heal {}: sites {ids:?} restarted", i + 1), up);
+                    self.fresh_client();
                 }
                 Fault::Isolate(id) => {
+                    let ms = now_ms();
                     let net = self.net.as_mut().expect("partitions need namespaces");
                     if let Err(e) = net.isolate(*id) {
                         self.problems.push(format!("partition {}: {e}", i + 1));
                     }
-                    self.event(format!("fault {}: {}", i + 1, st.fault), false);
+                    self.event_at(ms, format!("fault {}: {}", i + 1, st.fault), false);
                     std::thread::sleep(st.down);
                     let healed = self.net.as_mut().expect("namespaces").heal();
                     if let Err(e) = healed {
                         self.problems.push(format!("heal {}: {e}", i + 1));
                     }
                     self.event(format!("heal {}: partition removed", i + 1), true);
+                    self.fresh_client();
                 }
             }
             at = started.elapsed() + st.gap;
@@ -593,16 +593,16 @@ impl Chaos {
         self.run = None;
         let end_ms = now_ms();
         self.event("weft raid run ended".into(), true);
-        let out = std::fs::read_to_string(self.path("run.out")).unwrap_or_default();
-        let err = std::fs::read_to_string(self.path("run.err")).unwrap_or_default();
+        let out = std::fs::read_to_string(self.run_file("out")).unwrap_or_default();
+        let err = std::fs::read_to_string(self.run_file("err")).unwrap_or_default();
         match exit {
             None => self.problems.push(format!(
                 "weft raid run still running {limit:?} after it started (a {duration:?} run): a hang; stderr ends:\n{}",
-                tail(&self.path("run.err"), 10)
+                tail(&self.run_file("err"), 10)
             )),
             Some(s) if !s.success() => self.problems.push(format!(
                 "weft raid run exited {s}; stderr ends:\n{}",
-                tail(&self.path("run.err"), 10)
+                tail(&self.run_file("err"), 10)
             )),
             Some(_) => match serde_json::from_str::<Value>(&out) {
                 Ok(v) => self.notes.push(format!(
@@ -614,7 +614,12 @@ impl Chaos {
                     .push(format!("weft raid run printed no report ({e}): {out}{err}")),
             },
         }
-        let (acked, failures) = read_acks(&acks);
+        let (mut acked, mut failures) = (Vec::new(), Vec::new());
+        for k in 0..self.runs {
+            let (a, f) = read_acks(&self.path(&format!("acks{k}.jsonl")));
+            acked.extend(a);
+            failures.extend(f);
+        }
         self.note_failures(&failures);
         self.check_liveness(&acked, end_ms);
         if let Err(e) = self.wait_joined(Duration::from_secs(20)) {
@@ -632,6 +637,47 @@ impl Chaos {
         } else {
             self.fail(problems)
         }
+    }
+
+    /// Starts `weft raid run` for `duration`, writing its acknowledgements
+    /// to acks<k>.jsonl.
+    fn start_run(&mut self, duration: Duration) {
+        let k = self.runs;
+        self.runs += 1;
+        let acks = self.path(&format!("acks{k}.jsonl"));
+        let run_out = std::fs::File::create(self.run_file("out")).unwrap();
+        let run_err = std::fs::File::create(self.run_file("err")).unwrap();
+        let run = Command::new(weft_bin())
+            .args(["raid", "run", "--node", &self.addrs[0], "--secret", SECRET])
+            .args(["--clients", &self.opts.clients.to_string()])
+            .args(["--duration", &format!("{}ms", duration.as_millis())])
+            .args(["--seed", &self.opts.seed.wrapping_add(k as u64).to_string()])
+            .args(["--json", "--acks", &acks.display().to_string()])
+            .stdout(Stdio::from(run_out))
+            .stderr(Stdio::from(run_err))
+            .spawn()
+            .expect("weft raid run starts");
+        self.run = Some(run);
+    }
+
+    /// The last `weft raid run`'s stdout ("out") or stderr ("err").
+    fn run_file(&self, which: &str) -> PathBuf {
+        self.path(&format!("run{}.{which}", self.runs.saturating_sub(1)))
+    }
+
+    /// In the fresh-client mode, replaces the client with a new one for the
+    /// rest of the load.
+    fn fresh_client(&mut self) {
+        if !self.opts.fresh_client {
+            return;
+        }
+        if let Some(mut r) = self.run.take() {
+            let _ = r.kill();
+            let _ = r.wait();
+        }
+        let left = self.load_end_ms.saturating_sub(now_ms()).max(1000);
+        self.start_run(Duration::from_millis(left));
+        self.event("a new weft raid run replaces the client".into(), true);
     }
 
     /// Notes the client's failed attempts between one event and the next,
@@ -694,7 +740,7 @@ impl Chaos {
         let _ = writeln!(
             r,
             "--- weft raid run stderr (last 12 lines):\n{}",
-            tail(&self.path("run.err"), 12)
+            tail(&self.run_file("err"), 12)
         );
         println!("{r}");
         problems
