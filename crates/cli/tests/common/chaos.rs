@@ -29,7 +29,19 @@ use crate::netns::Net;
 
 const SECRET: &str = "weft-chaos";
 /// The failure detector of every site: probe often, declare death fast.
-const DETECTOR: [&str; 4] = ["--heartbeat", "50ms", "--dead-after", "500ms"];
+/// A debug build gets 2 s: its `weft raid load` keeps a site from sending
+/// heartbeats for more than 500 ms (the sites then declare each other dead
+/// before the first transaction).
+const DETECTOR: [&str; 4] = [
+    "--heartbeat",
+    "50ms",
+    "--dead-after",
+    if cfg!(debug_assertions) {
+        "2s"
+    } else {
+        "500ms"
+    },
+];
 /// The port every site listens on inside its namespace.
 const NS_PORT: u16 = 7000;
 /// Longest a site may take to print its ready line (start or restart).
