@@ -280,3 +280,56 @@ fn now_ms() -> u64 {
         .map(|d| d.as_millis() as u64)
         .unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(path: &Path) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn acks_are_lines_at_once_and_failures_are_counted_not_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("acks.jsonl");
+        let acks = Acks::create(&path).unwrap();
+        let req = AdRequest::Tpcb {
+            aid: 7,
+            teller: 3,
+            branch: 1,
+            delta: -42,
+        };
+        acks.record(NodeId(2), &req);
+        // On disk before `finish`: a killed client loses no acknowledgement.
+        let got = lines(&path);
+        assert_eq!(got.len(), 1);
+        let line: AckLine = serde_json::from_value(got[0].clone()).unwrap();
+        assert_eq!((line.site, line.req), (NodeId(2), req));
+
+        let f = Failure::new(Status::ProcDead, "gone");
+        for _ in 0..1000 {
+            acks.failed(NodeId(1), &f);
+        }
+        acks.failed(NodeId(3), &Failure::new(Status::Aborted, "cascade"));
+        acks.finish().unwrap();
+        let fails: Vec<FailLine> = lines(&path)
+            .into_iter()
+            .skip(1)
+            .map(|v| serde_json::from_value(v).unwrap())
+            .collect();
+        // A thousand failures in well under a second: a first line, then
+        // the rest counted in the line `finish` writes.
+        let at1: Vec<&FailLine> = fails.iter().filter(|l| l.site == NodeId(1)).collect();
+        assert!(at1.len() <= 4, "{at1:?}");
+        assert_eq!(at1.iter().map(|l| l.n).sum::<u64>(), 1000);
+        assert!(at1.iter().all(|l| l.failed == "ProcDead"));
+        let at3: Vec<&FailLine> = fails.iter().filter(|l| l.site == NodeId(3)).collect();
+        assert_eq!((at3.len(), at3[0].n), (1, 1));
+        assert_eq!(at3[0].detail, "cascade");
+    }
+}

@@ -1,6 +1,7 @@
 //! `weft raid`: run Raid sites as processes and drive them from the shell:
 //! `site` runs one, `load` fills every copy, `run` drives DebitCredit clients
-//! against them, `audit` checks the books on every copy.
+//! against them (`--acks` records what they were told committed), `audit`
+//! checks the books on every copy, `history` lists one copy's history rows.
 //!
 //! Owns the multi-process forms of the demo's steps and the shared printing
 //! of DebitCredit results. Must exit non-zero when the audit fails.
