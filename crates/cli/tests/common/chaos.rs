@@ -293,7 +293,7 @@ fn tail(path: &Path, lines: usize) -> String {
 type Lines = Vec<(u64, Value)>;
 
 /// What identifies a tpcb transaction's history row.
-type RowKey = (u64, u64, u64, i64);
+pub type RowKey = (u64, u64, u64, i64);
 
 impl Chaos {
     /// Starts the sites (in namespaces when `opts.partitions`).
@@ -999,23 +999,6 @@ impl Chaos {
                     .collect(),
             );
         }
-        let key_of = |r: &Value| -> RowKey {
-            (
-                r["aid"].as_u64().unwrap_or(0),
-                r["teller"].as_u64().unwrap_or(0),
-                r["branch"].as_u64().unwrap_or(0),
-                r["delta"].as_i64().unwrap_or(0),
-            )
-        };
-        let ack_key = |r: &Value| -> Option<RowKey> {
-            let t = &r["req"]["Tpcb"];
-            Some((
-                t["aid"].as_u64()?,
-                t["teller"].as_u64()?,
-                t["branch"].as_u64()?,
-                t["delta"].as_i64()?,
-            ))
-        };
         let mut digests = Vec::new();
         for (i, rows) in &copies {
             let mut keys: Vec<u64> = rows.iter().filter_map(|r| r["key"].as_u64()).collect();
@@ -1068,26 +1051,9 @@ impl Chaos {
             }
         }
         // Every acknowledged request has a row of its own on every copy.
-        let mut want: BTreeMap<RowKey, Vec<&(u64, Value)>> = BTreeMap::new();
-        for a in acked {
-            if let Some(k) = ack_key(&a.1) {
-                want.entry(k).or_default().push(a);
-            }
-        }
         for (i, rows) in &copies {
-            let mut have: BTreeMap<RowKey, usize> = BTreeMap::new();
-            for r in rows {
-                *have.entry(key_of(r)).or_default() += 1;
-            }
-            let mut missing = Vec::new();
-            for (k, acks) in &want {
-                let h = have.get(k).copied().unwrap_or(0);
-                for a in acks.iter().skip(h) {
-                    missing.push((a.0, a.1["site"].clone(), *k));
-                }
-            }
+            let missing = missing_acks(acked, rows);
             if !missing.is_empty() {
-                missing.sort_by_key(|m| m.0);
                 let examples: Vec<String> = missing
                     .iter()
                     .take(10)
@@ -1119,6 +1085,53 @@ impl Chaos {
             .map(|e| format!("after \"{}\"", e.what))
             .unwrap_or_else(|| "before the run".into())
     }
+}
+
+/// The history row fields of a `weft raid history` line.
+fn key_of(r: &Value) -> RowKey {
+    (
+        r["aid"].as_u64().unwrap_or(0),
+        r["teller"].as_u64().unwrap_or(0),
+        r["branch"].as_u64().unwrap_or(0),
+        r["delta"].as_i64().unwrap_or(0),
+    )
+}
+
+/// The history row fields an acknowledged tpcb request must have left.
+fn ack_key(a: &Value) -> Option<RowKey> {
+    let t = &a["req"]["Tpcb"];
+    Some((
+        t["aid"].as_u64()?,
+        t["teller"].as_u64()?,
+        t["branch"].as_u64()?,
+        t["delta"].as_i64()?,
+    ))
+}
+
+/// The acknowledgements (ms, line) that `rows` (one copy's `weft raid
+/// history` lines) lack a row for, as (ms, answering site, fields), by
+/// time: matched as a multiset, so two acknowledged equal requests need
+/// two rows.
+pub fn missing_acks(acked: &[(u64, Value)], rows: &[Value]) -> Vec<(u64, Value, RowKey)> {
+    let mut want: BTreeMap<RowKey, Vec<&(u64, Value)>> = BTreeMap::new();
+    for a in acked {
+        if let Some(k) = ack_key(&a.1) {
+            want.entry(k).or_default().push(a);
+        }
+    }
+    let mut have: BTreeMap<RowKey, usize> = BTreeMap::new();
+    for r in rows {
+        *have.entry(key_of(r)).or_default() += 1;
+    }
+    let mut missing = Vec::new();
+    for (k, acks) in &want {
+        let h = have.get(k).copied().unwrap_or(0);
+        for a in acks.iter().skip(h) {
+            missing.push((a.0, a.1["site"].clone(), *k));
+        }
+    }
+    missing.sort_by_key(|m| m.0);
+    missing
 }
 
 fn key_str(k: RowKey) -> String {
