@@ -151,11 +151,34 @@ pub async fn print_history(client: &Client) -> anyhow::Result<u64> {
     Ok(rows)
 }
 
-/// Where `weft raid run --acks` writes its acknowledgements.
+/// Failures of one status at one site, as `weft raid run --acks` writes
+/// them among the acknowledgements: at most one line per site and status
+/// every [`FAILURE_EVERY_MS`], counting the failures since the last.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FailLine {
+    /// When the last of them ended, ms since the Unix epoch.
+    pub ms: u64,
+    /// The site whose action driver the client called.
+    pub site: NodeId,
+    /// How the attempts ended.
+    pub failed: String,
+    /// How many since the previous line for this site and status.
+    pub n: u64,
+    /// The last one's detail.
+    pub detail: String,
+}
+
+/// Least time between two failure lines of one site and status.
+pub const FAILURE_EVERY_MS: u64 = 250;
+
+/// Where `weft raid run --acks` writes its acknowledgements (and, bounded,
+/// its failures).
 pub struct Acks {
     out: Mutex<std::io::BufWriter<std::fs::File>>,
     /// The first write error, reported by `finish`.
     error: Mutex<Option<String>>,
+    /// Per site and status: when its last line was written, failures since.
+    failures: Mutex<std::collections::BTreeMap<(NodeId, String), (u64, u64)>>,
 }
 
 impl Acks {
@@ -168,24 +191,47 @@ impl Acks {
         Ok(Arc::new(Acks {
             out: Mutex::new(std::io::BufWriter::new(f)),
             error: Mutex::new(None),
+            failures: Mutex::new(Default::default()),
         }))
     }
 
     /// Records that `site` answered `req` committed.
     pub fn record(&self, site: NodeId, req: &AdRequest) {
-        let ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or_default();
-        let line = AckLine {
-            ms,
+        self.write(&AckLine {
+            ms: now_ms(),
             site,
             req: req.clone(),
+        });
+    }
+
+    /// Records an attempt at `site` that failed (a line at most every
+    /// [`FAILURE_EVERY_MS`] per site and status).
+    pub fn failed(&self, site: NodeId, f: &Failure) {
+        let ms = now_ms();
+        let n = {
+            let mut map = self.failures.lock();
+            let (last, n) = map.entry((site, f.status.to_string())).or_insert((0, 0));
+            *n += 1;
+            if ms < *last + FAILURE_EVERY_MS {
+                return;
+            }
+            *last = ms;
+            std::mem::take(n)
         };
+        self.write(&FailLine {
+            ms,
+            site,
+            failed: f.status.to_string(),
+            n,
+            detail: f.detail.clone(),
+        });
+    }
+
+    fn write(&self, line: &impl Serialize) {
         let mut out = self.out.lock();
         // Each line reaches the file at once, so that a reader sees every
         // acknowledgement so far even if this process is killed.
-        let written = serde_json::to_writer(&mut *out, &line)
+        let written = serde_json::to_writer(&mut *out, line)
             .map_err(|e| e.to_string())
             .and_then(|()| out.write_all(b"\n").map_err(|e| e.to_string()))
             .and_then(|()| out.flush().map_err(|e| e.to_string()));
@@ -194,13 +240,96 @@ impl Acks {
         }
     }
 
-    /// Flushes the file.
+    /// Flushes the file (and the failures not yet written).
     ///
     /// Fails when a write failed.
     pub fn finish(&self) -> anyhow::Result<()> {
+        let left: Vec<((NodeId, String), u64)> = self
+            .failures
+            .lock()
+            .iter()
+            .filter(|(_, (_, n))| *n > 0)
+            .map(|(k, (_, n))| (k.clone(), *n))
+            .collect();
+        for ((site, failed), n) in left {
+            self.write(&FailLine {
+                ms: now_ms(),
+                site,
+                failed,
+                n,
+                detail: String::new(),
+            });
+        }
+        self.flush()
+    }
+
+    /// Flushes the file.
+    ///
+    /// Fails when a write failed.
+    fn flush(&self) -> anyhow::Result<()> {
         if let Some(e) = self.error.lock().clone() {
             anyhow::bail!("writing the acks file: {e}");
         }
         self.out.lock().flush().context("writing the acks file")
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(path: &Path) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn acks_are_lines_at_once_and_failures_are_counted_not_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("acks.jsonl");
+        let acks = Acks::create(&path).unwrap();
+        let req = AdRequest::Tpcb {
+            aid: 7,
+            teller: 3,
+            branch: 1,
+            delta: -42,
+        };
+        acks.record(NodeId(2), &req);
+        // On disk before `finish`: a killed client loses no acknowledgement.
+        let got = lines(&path);
+        assert_eq!(got.len(), 1);
+        let line: AckLine = serde_json::from_value(got[0].clone()).unwrap();
+        assert_eq!((line.site, line.req), (NodeId(2), req));
+
+        let f = Failure::new(Status::ProcDead, "gone");
+        for _ in 0..1000 {
+            acks.failed(NodeId(1), &f);
+        }
+        acks.failed(NodeId(3), &Failure::new(Status::Aborted, "cascade"));
+        acks.finish().unwrap();
+        let fails: Vec<FailLine> = lines(&path)
+            .into_iter()
+            .skip(1)
+            .map(|v| serde_json::from_value(v).unwrap())
+            .collect();
+        // A thousand failures in well under a second: a first line, then
+        // the rest counted in the line `finish` writes.
+        let at1: Vec<&FailLine> = fails.iter().filter(|l| l.site == NodeId(1)).collect();
+        assert!(at1.len() <= 4, "{at1:?}");
+        assert_eq!(at1.iter().map(|l| l.n).sum::<u64>(), 1000);
+        assert!(at1.iter().all(|l| l.failed == "ProcDead"));
+        let at3: Vec<&FailLine> = fails.iter().filter(|l| l.site == NodeId(3)).collect();
+        assert_eq!((at3.len(), at3[0].n), (1, 1));
+        assert_eq!(at3[0].detail, "cascade");
     }
 }

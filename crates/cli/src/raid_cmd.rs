@@ -1,6 +1,7 @@
 //! `weft raid`: run Raid sites as processes and drive them from the shell:
 //! `site` runs one, `load` fills every copy, `run` drives DebitCredit clients
-//! against them, `audit` checks the books on every copy.
+//! against them (`--acks` records what they were told committed), `audit`
+//! checks the books on every copy, `history` lists one copy's history rows.
 //!
 //! Owns the multi-process forms of the demo's steps and the shared printing
 //! of DebitCredit results. Must exit non-zero when the audit fails, and
@@ -68,7 +69,9 @@ pub enum RaidCmd {
         #[arg(long)]
         json: bool,
         /// Write one JSON line per transaction the client was told
-        /// committed (time, answering site, request) to this file.
+        /// committed (time, answering site, request) to this file, and
+        /// lines counting the failed attempts (at most four a second per
+        /// site and status).
         #[arg(long)]
         acks: Option<std::path::PathBuf>,
     },
@@ -307,8 +310,10 @@ pub async fn run_remote(
             async move {
                 let asked = acks.is_some().then(|| req.clone());
                 let r: Result<weft_raid::AdReply, Failure> = c.call(&ad, req, None).await;
-                if let (Some(acks), Some(req), Ok(_)) = (acks, asked, &r) {
-                    acks.record(id, &req);
+                match (acks, asked, &r) {
+                    (Some(acks), Some(req), Ok(_)) => acks.record(id, &req),
+                    (Some(acks), _, Err(f)) => acks.failed(id, f),
+                    _ => {}
                 }
                 r.map(|r| r.0).map_err(|f| match f.status {
                     // Reconnected to a site still starting: its process is

@@ -50,6 +50,16 @@ fn sites_killed_and_partitioned_at_random_lose_no_acknowledged_commit() {
     let seeds = env_u64("WEFT_CHAOS_SEEDS").unwrap_or(1).max(1);
     let secs = env_u64("WEFT_CHAOS_SECS").unwrap_or(20);
     let sites = 3;
+    let kinds: Vec<String> = std::env::var("WEFT_CHAOS_KINDS")
+        .map(|v| v.split(',').map(|k| k.trim().to_string()).collect())
+        .unwrap_or_default();
+    for k in &kinds {
+        assert!(
+            harness::KINDS.contains(&k.as_str()),
+            "WEFT_CHAOS_KINDS: unknown kind {k:?} (one of {:?})",
+            harness::KINDS
+        );
+    }
     println!(
         "chaos: seeds {first}..{} ({seeds}), {secs} s of faults each",
         first + seeds
@@ -73,6 +83,8 @@ fn sites_killed_and_partitioned_at_random_lose_no_acknowledged_commit() {
             fault_time: Duration::from_secs(secs),
             tail: Duration::from_secs(8),
             partitions: net.is_some(),
+            kinds: kinds.clone(),
+            fresh_client: std::env::var("WEFT_CHAOS_FRESH_CLIENT").is_ok_and(|v| v == "1"),
         };
         let problems = Chaos::new(opts, net).run();
         if !problems.is_empty() {
@@ -102,6 +114,8 @@ fn a_seed_always_gives_the_same_schedule_with_every_kind_of_fault() {
         fault_time: Duration::from_secs(20),
         tail: Duration::from_secs(8),
         partitions: true,
+        kinds: Vec::new(),
+        fresh_client: false,
     };
     let a = harness::schedule(&opts(7));
     let b = harness::schedule(&opts(7));
@@ -128,4 +142,32 @@ fn a_seed_always_gives_the_same_schedule_with_every_kind_of_fault() {
         ["all", "gateway", "isolate", "one", "several"],
         "{a:?}"
     );
+}
+
+#[test]
+fn the_lost_commit_check_matches_acknowledgements_to_rows_as_a_multiset() {
+    use serde_json::json;
+    let ack = |ms: u64, aid: u64, delta: i64| {
+        (
+            ms,
+            json!({"ms": ms, "site": 2, "req": {"Tpcb": {"aid": aid, "teller": 3, "branch": 1, "delta": delta}}}),
+        )
+    };
+    let row = |key: u64, aid: u64, delta: i64| json!({"key": key, "tid": format!("t1.1.{key}"), "rel": "history", "aid": aid, "teller": 3, "branch": 1, "delta": delta});
+    // Two acknowledged equal requests, one other; failure lines are not
+    // acknowledgements.
+    let acked = vec![ack(10, 5, -7), ack(11, 5, -7), ack(12, 9, 100)];
+    let all = vec![row(1, 5, -7), row(2, 5, -7), row(3, 9, 100), row(4, 1, 1)];
+    assert!(
+        harness::missing_acks(&acked, &all).is_empty(),
+        "an unacknowledged extra row is allowed"
+    );
+    // One of the two equal rows gone: the later acknowledgement is missing.
+    let lost = harness::missing_acks(&acked, &[row(1, 5, -7), row(3, 9, 100)]);
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!((lost[0].0, lost[0].2), (11, (5, 3, 1, -7)));
+    assert_eq!(lost[0].1, 2);
+    // A row with another delta does not stand in for it.
+    let lost = harness::missing_acks(&acked, &[row(1, 5, -7), row(2, 5, -7), row(3, 9, 99)]);
+    assert_eq!(lost.iter().map(|m| m.0).collect::<Vec<_>>(), [12]);
 }

@@ -29,7 +29,19 @@ use crate::netns::Net;
 
 const SECRET: &str = "weft-chaos";
 /// The failure detector of every site: probe often, declare death fast.
-const DETECTOR: [&str; 4] = ["--heartbeat", "50ms", "--dead-after", "500ms"];
+/// A debug build gets 2 s: its `weft raid load` keeps a site from sending
+/// heartbeats for more than 500 ms (the sites then declare each other dead
+/// before the first transaction).
+const DETECTOR: [&str; 4] = [
+    "--heartbeat",
+    "50ms",
+    "--dead-after",
+    if cfg!(debug_assertions) {
+        "2s"
+    } else {
+        "500ms"
+    },
+];
 /// The port every site listens on inside its namespace.
 const NS_PORT: u16 = 7000;
 /// Longest a site may take to print its ready line (start or restart).
@@ -131,19 +143,33 @@ pub struct Options {
     pub tail: Duration,
     /// Put the sites in network namespaces and include partitions.
     pub partitions: bool,
+    /// Only these kinds of fault (all of [`KINDS`] when empty).
+    pub kinds: Vec<String>,
+    /// Start a new `weft raid run` after every heal (a diagnostic mode that
+    /// hides the client's own reconnects, to see what lies beyond them).
+    pub fresh_client: bool,
 }
 
+/// The kinds of fault: kill one site (not site 1), kill site 1 (the one
+/// the client's --node names), kill several, kill all, partition one site
+/// from the others (in namespaces only).
+pub const KINDS: [&str; 5] = ["one", "gateway", "several", "all", "isolate"];
+
 /// The faults of a seed: kinds in seeded shuffled rounds, each fault
-/// lasting 1-2.5 s and followed by 3-5 s of every site up, until
+/// lasting 1-2.5 s and followed by 5.5-8 s of every site up (longer than
+/// [`MAX_STALL`], so that a stall after any heal shows), until
 /// `opts.fault_time` is used and at least one round (one fault of each
 /// kind) is done.
 pub fn schedule(opts: &Options) -> Vec<Step> {
     let mut rng = Rng::new(opts.seed);
     let n = opts.sites as u64;
-    let mut kinds = vec!["one", "gateway", "several", "all"];
-    if opts.partitions {
-        kinds.push("isolate");
-    }
+    let kinds: Vec<&str> = KINDS
+        .iter()
+        .copied()
+        .filter(|k| opts.partitions || *k != "isolate")
+        .filter(|k| opts.kinds.is_empty() || opts.kinds.iter().any(|w| w == k))
+        .collect();
+    assert!(!kinds.is_empty(), "no kind of fault left to run");
     let mut steps = Vec::new();
     let mut used = Duration::ZERO;
     'rounds: loop {
@@ -167,7 +193,7 @@ pub fn schedule(opts: &Options) -> Vec<Step> {
             let step = Step {
                 fault,
                 down: rng.ms(1000, 2500),
-                gap: rng.ms(3000, 5000),
+                gap: rng.ms(5500, 8000),
             };
             used += step.down + step.gap;
             steps.push(step);
@@ -203,6 +229,9 @@ pub struct Chaos {
     sites: Vec<Option<SiteProc>>,
     addrs: Vec<String>,
     run: Option<Child>,
+    /// How many `weft raid run`s were started (the last one's files are
+    /// run<runs-1>.out/.err, each one's acknowledgements acks<k>.jsonl).
+    runs: usize,
     events: Vec<Event>,
     problems: Vec<String>,
     notes: Vec<String>,
@@ -260,8 +289,11 @@ fn tail(path: &Path, lines: usize) -> String {
     v[v.len().saturating_sub(lines)..].join("\n")
 }
 
+/// JSON lines with their time (ms since the epoch).
+type Lines = Vec<(u64, Value)>;
+
 /// What identifies a tpcb transaction's history row.
-type RowKey = (u64, u64, u64, i64);
+pub type RowKey = (u64, u64, u64, i64);
 
 impl Chaos {
     /// Starts the sites (in namespaces when `opts.partitions`).
@@ -283,6 +315,7 @@ impl Chaos {
             steps,
             addrs,
             run: None,
+            runs: 0,
             events: Vec::new(),
             problems: Vec::new(),
             notes: Vec::new(),
@@ -335,6 +368,10 @@ impl Chaos {
             }
             None => Command::new(weft_bin()),
         };
+        // The sites' log filter (WEFT_LOG syntax); warnings by default.
+        if let Ok(filter) = std::env::var("WEFT_CHAOS_LOG") {
+            cmd.env("WEFT_LOG", filter);
+        }
         cmd.args(["raid", "site", "--id", &id.to_string()])
             .args(["--listen", &self.addrs[id - 1]])
             .args(["--data-dir", &data.display().to_string()])
@@ -443,12 +480,13 @@ impl Chaos {
     }
 
     fn event(&mut self, what: String, all_up: bool) {
-        println!("  [{}] {what}", self.rel(now_ms()));
-        self.events.push(Event {
-            ms: now_ms(),
-            what,
-            all_up,
-        });
+        self.event_at(now_ms(), what, all_up);
+    }
+
+    /// An event that began at `ms` (before the action it names).
+    fn event_at(&mut self, ms: u64, what: String, all_up: bool) {
+        println!("  [{}] {what}", self.rel(ms));
+        self.events.push(Event { ms, what, all_up });
     }
 
     /// `t+S.SSS s` from the start of the run.
@@ -467,10 +505,11 @@ impl Chaos {
             o.seed,
             o.sites,
             o.clients,
-            if o.partitions {
-                "kills and partitions, TCP only"
-            } else {
-                "kills only"
+            match (o.partitions, o.fresh_client) {
+                (true, false) => "kills and partitions, TCP only",
+                (false, false) => "kills only",
+                (true, true) => "kills and partitions, TCP only, a new client after each heal",
+                (false, true) => "kills only, a new client after each heal",
             },
             self.schedule_text()
         );
@@ -500,20 +539,7 @@ impl Chaos {
         // The load, long enough for the schedule and the tail.
         let planned: Duration = self.steps.iter().map(|s| s.down + s.gap).sum();
         let duration = o.warmup + planned + o.tail + Duration::from_secs(5);
-        let acks = self.path("acks.jsonl");
-        let run_out = std::fs::File::create(self.path("run.out")).unwrap();
-        let run_err = std::fs::File::create(self.path("run.err")).unwrap();
-        let run = Command::new(weft_bin())
-            .args(["raid", "run", "--node", &self.addrs[0], "--secret", SECRET])
-            .args(["--clients", &o.clients.to_string()])
-            .args(["--duration", &format!("{}ms", duration.as_millis())])
-            .args(["--seed", &o.seed.to_string(), "--json"])
-            .args(["--acks", &acks.display().to_string()])
-            .stdout(Stdio::from(run_out))
-            .stderr(Stdio::from(run_err))
-            .spawn()
-            .expect("weft raid run starts");
-        self.run = Some(run);
+        self.start_run(duration);
         let started = Instant::now();
         self.event("weft raid run started".into(), true);
         self.load_end_ms = now_ms() + duration.as_millis() as u64;
@@ -525,10 +551,11 @@ impl Chaos {
             sleep_until(started + at);
             match &st.fault {
                 Fault::Kill(ids) => {
+                    let ms = now_ms();
                     for id in ids {
                         self.kill_site(*id);
                     }
-                    self.event(format!("fault {}: {}", i + 1, st.fault), false);
+                    self.event_at(ms, format!("fault {}: {}", i + 1, st.fault), false);
                     std::thread::sleep(st.down);
                     // Site 1 first: the others join through it.
                     let mut up = true;
@@ -540,19 +567,22 @@ impl Chaos {
                         }
                     }
                     self.event(format!("heal {}: sites {ids:?} restarted", i + 1), up);
+                    self.fresh_client();
                 }
                 Fault::Isolate(id) => {
+                    let ms = now_ms();
                     let net = self.net.as_mut().expect("partitions need namespaces");
                     if let Err(e) = net.isolate(*id) {
                         self.problems.push(format!("partition {}: {e}", i + 1));
                     }
-                    self.event(format!("fault {}: {}", i + 1, st.fault), false);
+                    self.event_at(ms, format!("fault {}: {}", i + 1, st.fault), false);
                     std::thread::sleep(st.down);
                     let healed = self.net.as_mut().expect("namespaces").heal();
                     if let Err(e) = healed {
                         self.problems.push(format!("heal {}: {e}", i + 1));
                     }
                     self.event(format!("heal {}: partition removed", i + 1), true);
+                    self.fresh_client();
                 }
             }
             at = started.elapsed() + st.gap;
@@ -575,16 +605,16 @@ impl Chaos {
         self.run = None;
         let end_ms = now_ms();
         self.event("weft raid run ended".into(), true);
-        let out = std::fs::read_to_string(self.path("run.out")).unwrap_or_default();
-        let err = std::fs::read_to_string(self.path("run.err")).unwrap_or_default();
+        let out = std::fs::read_to_string(self.run_file("out")).unwrap_or_default();
+        let err = std::fs::read_to_string(self.run_file("err")).unwrap_or_default();
         match exit {
             None => self.problems.push(format!(
                 "weft raid run still running {limit:?} after it started (a {duration:?} run): a hang; stderr ends:\n{}",
-                tail(&self.path("run.err"), 10)
+                tail(&self.run_file("err"), 10)
             )),
             Some(s) if !s.success() => self.problems.push(format!(
                 "weft raid run exited {s}; stderr ends:\n{}",
-                tail(&self.path("run.err"), 10)
+                tail(&self.run_file("err"), 10)
             )),
             Some(_) => match serde_json::from_str::<Value>(&out) {
                 Ok(v) => self.notes.push(format!(
@@ -596,11 +626,18 @@ impl Chaos {
                     .push(format!("weft raid run printed no report ({e}): {out}{err}")),
             },
         }
-        let acked = read_acks(&acks);
+        let (mut acked, mut failures) = (Vec::new(), Vec::new());
+        for k in 0..self.runs {
+            let (a, f) = read_acks(&self.path(&format!("acks{k}.jsonl")));
+            acked.extend(a);
+            failures.extend(f);
+        }
+        self.note_failures(&failures);
         self.check_liveness(&acked, end_ms);
         if let Err(e) = self.wait_joined(Duration::from_secs(20)) {
             self.problems.push(format!("membership after the run: {e}"));
         }
+        self.check_fresh_client();
         self.check_copies(&acked);
         let problems = std::mem::take(&mut self.problems);
         if problems.is_empty() {
@@ -612,6 +649,77 @@ impl Chaos {
         } else {
             self.fail(problems)
         }
+    }
+
+    /// Starts `weft raid run` for `duration`, writing its acknowledgements
+    /// to acks<k>.jsonl.
+    fn start_run(&mut self, duration: Duration) {
+        let k = self.runs;
+        self.runs += 1;
+        let acks = self.path(&format!("acks{k}.jsonl"));
+        let run_out = std::fs::File::create(self.run_file("out")).unwrap();
+        let run_err = std::fs::File::create(self.run_file("err")).unwrap();
+        let run = Command::new(weft_bin())
+            .args(["raid", "run", "--node", &self.addrs[0], "--secret", SECRET])
+            .args(["--clients", &self.opts.clients.to_string()])
+            .args(["--duration", &format!("{}ms", duration.as_millis())])
+            .args(["--seed", &self.opts.seed.wrapping_add(k as u64).to_string()])
+            .args(["--json", "--acks", &acks.display().to_string()])
+            .stdout(Stdio::from(run_out))
+            .stderr(Stdio::from(run_err))
+            .spawn()
+            .expect("weft raid run starts");
+        self.run = Some(run);
+    }
+
+    /// The last `weft raid run`'s stdout ("out") or stderr ("err").
+    fn run_file(&self, which: &str) -> PathBuf {
+        self.path(&format!("run{}.{which}", self.runs.saturating_sub(1)))
+    }
+
+    /// In the fresh-client mode, replaces the client with a new one for the
+    /// rest of the load.
+    fn fresh_client(&mut self) {
+        if !self.opts.fresh_client {
+            return;
+        }
+        if let Some(mut r) = self.run.take() {
+            let _ = r.kill();
+            let _ = r.wait();
+        }
+        let left = self.load_end_ms.saturating_sub(now_ms()).max(1000);
+        self.start_run(Duration::from_millis(left));
+        self.event("a new weft raid run replaces the client".into(), true);
+    }
+
+    /// Notes the client's failed attempts between one event and the next,
+    /// by the site it called and the status (with the last detail).
+    fn note_failures(&mut self, failures: &[(u64, Value)]) {
+        let mut s =
+            String::from("failed attempts by phase (site it called: status x count, last detail):");
+        for (i, e) in self.events.iter().enumerate() {
+            let end = self.events.get(i + 1).map(|n| n.ms).unwrap_or(u64::MAX);
+            let mut by: BTreeMap<(u64, String), (u64, String)> = BTreeMap::new();
+            for (_, f) in failures.iter().filter(|(ms, _)| *ms >= e.ms && *ms < end) {
+                let k = (
+                    f["site"].as_u64().unwrap_or(0),
+                    f["failed"].as_str().unwrap_or("?").to_string(),
+                );
+                let v = by.entry(k).or_default();
+                v.0 += f["n"].as_u64().unwrap_or(0);
+                if let Some(d) = f["detail"].as_str().filter(|d| !d.is_empty()) {
+                    v.1 = d.to_string();
+                }
+            }
+            if by.is_empty() {
+                continue;
+            }
+            let _ = write!(s, "\n    after \"{}\":", e.what);
+            for ((site, status), (n, detail)) in by {
+                let _ = write!(s, "\n      site {site}: {status} x{n} ({detail})");
+            }
+        }
+        self.notes.push(s);
     }
 
     /// Prints the report of a failed run; returns its problems.
@@ -644,7 +752,7 @@ impl Chaos {
         let _ = writeln!(
             r,
             "--- weft raid run stderr (last 12 lines):\n{}",
-            tail(&self.path("run.err"), 12)
+            tail(&self.run_file("err"), 12)
         );
         println!("{r}");
         problems
@@ -771,6 +879,42 @@ impl Chaos {
         }
     }
 
+    /// Commits resume for a new client: a short `weft raid run` after the
+    /// schedule commits (telling a stall of the sites from one of the
+    /// long-running client's links).
+    fn check_fresh_client(&mut self) {
+        let (code, out, err) = weft(&[
+            "raid",
+            "run",
+            "--node",
+            &self.addrs[0],
+            "--secret",
+            SECRET,
+            "--clients",
+            &self.opts.clients.to_string(),
+            "--duration",
+            "3s",
+            "--seed",
+            &self.opts.seed.wrapping_add(1).to_string(),
+            "--json",
+        ]);
+        let v: Option<Value> = serde_json::from_str(&out).ok().filter(|_| code == 0);
+        match v {
+            Some(v) if v["committed"].as_u64().unwrap_or(0) > 0 => self.notes.push(format!(
+                "a new client after the schedule: {} committed in 3 s of {} attempts, aborts {}",
+                v["committed"], v["attempts"], v["aborts"]
+            )),
+            Some(v) => self.problems.push(format!(
+                "commits resume: a new client after the schedule committed nothing in 3 s ({} attempts, aborts {}, e.g. {})",
+                v["attempts"], v["aborts"], v["abort_samples"]
+            )),
+            None => self.problems.push(format!(
+                "commits resume: a new client after the schedule failed (exit {code}): {}",
+                err.trim()
+            )),
+        }
+    }
+
     /// The safety checks: the audit passes at every site and every copy is
     /// the same (within a bound: phase two reaches the copies after the
     /// client's answer); every acknowledged transaction has its history row
@@ -855,23 +999,6 @@ impl Chaos {
                     .collect(),
             );
         }
-        let key_of = |r: &Value| -> RowKey {
-            (
-                r["aid"].as_u64().unwrap_or(0),
-                r["teller"].as_u64().unwrap_or(0),
-                r["branch"].as_u64().unwrap_or(0),
-                r["delta"].as_i64().unwrap_or(0),
-            )
-        };
-        let ack_key = |r: &Value| -> Option<RowKey> {
-            let t = &r["req"]["Tpcb"];
-            Some((
-                t["aid"].as_u64()?,
-                t["teller"].as_u64()?,
-                t["branch"].as_u64()?,
-                t["delta"].as_i64()?,
-            ))
-        };
         let mut digests = Vec::new();
         for (i, rows) in &copies {
             let mut keys: Vec<u64> = rows.iter().filter_map(|r| r["key"].as_u64()).collect();
@@ -924,26 +1051,9 @@ impl Chaos {
             }
         }
         // Every acknowledged request has a row of its own on every copy.
-        let mut want: BTreeMap<RowKey, Vec<&(u64, Value)>> = BTreeMap::new();
-        for a in acked {
-            if let Some(k) = ack_key(&a.1) {
-                want.entry(k).or_default().push(a);
-            }
-        }
         for (i, rows) in &copies {
-            let mut have: BTreeMap<RowKey, usize> = BTreeMap::new();
-            for r in rows {
-                *have.entry(key_of(r)).or_default() += 1;
-            }
-            let mut missing = Vec::new();
-            for (k, acks) in &want {
-                let h = have.get(k).copied().unwrap_or(0);
-                for a in acks.iter().skip(h) {
-                    missing.push((a.0, a.1["site"].clone(), *k));
-                }
-            }
+            let missing = missing_acks(acked, rows);
             if !missing.is_empty() {
-                missing.sort_by_key(|m| m.0);
                 let examples: Vec<String> = missing
                     .iter()
                     .take(10)
@@ -977,6 +1087,53 @@ impl Chaos {
     }
 }
 
+/// The history row fields of a `weft raid history` line.
+fn key_of(r: &Value) -> RowKey {
+    (
+        r["aid"].as_u64().unwrap_or(0),
+        r["teller"].as_u64().unwrap_or(0),
+        r["branch"].as_u64().unwrap_or(0),
+        r["delta"].as_i64().unwrap_or(0),
+    )
+}
+
+/// The history row fields an acknowledged tpcb request must have left.
+fn ack_key(a: &Value) -> Option<RowKey> {
+    let t = &a["req"]["Tpcb"];
+    Some((
+        t["aid"].as_u64()?,
+        t["teller"].as_u64()?,
+        t["branch"].as_u64()?,
+        t["delta"].as_i64()?,
+    ))
+}
+
+/// The acknowledgements (ms, line) that `rows` (one copy's `weft raid
+/// history` lines) lack a row for, as (ms, answering site, fields), by
+/// time: matched as a multiset, so two acknowledged equal requests need
+/// two rows.
+pub fn missing_acks(acked: &[(u64, Value)], rows: &[Value]) -> Vec<(u64, Value, RowKey)> {
+    let mut want: BTreeMap<RowKey, Vec<&(u64, Value)>> = BTreeMap::new();
+    for a in acked {
+        if let Some(k) = ack_key(&a.1) {
+            want.entry(k).or_default().push(a);
+        }
+    }
+    let mut have: BTreeMap<RowKey, usize> = BTreeMap::new();
+    for r in rows {
+        *have.entry(key_of(r)).or_default() += 1;
+    }
+    let mut missing = Vec::new();
+    for (k, acks) in &want {
+        let h = have.get(k).copied().unwrap_or(0);
+        for a in acks.iter().skip(h) {
+            missing.push((a.0, a.1["site"].clone(), *k));
+        }
+    }
+    missing.sort_by_key(|m| m.0);
+    missing
+}
+
 fn key_str(k: RowKey) -> String {
     format!("aid {} teller {} branch {} delta {}", k.0, k.1, k.2, k.3)
 }
@@ -988,12 +1145,13 @@ fn sleep_until(t: Instant) {
     }
 }
 
-/// The acknowledgements of `weft raid run --acks`: (ms, line).
-fn read_acks(path: &Path) -> Vec<(u64, Value)> {
+/// The lines of `weft raid run --acks`: (ms, line) of the
+/// acknowledgements, and of the failure counts.
+fn read_acks(path: &Path) -> (Lines, Lines) {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter_map(|v| Some((v["ms"].as_u64()?, v)))
-        .collect()
+        .partition(|(_, v)| v.get("req").is_some())
 }

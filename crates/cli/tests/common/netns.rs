@@ -7,8 +7,9 @@
 //!
 //! Owns the namespaces, the bridge and the routes it creates. Must remove
 //! all of them when dropped, even when the test fails, and must never touch
-//! an interface or namespace it did not create (except the leftovers of an
-//! earlier run of this module whose process is gone).
+//! an interface, namespace or process it did not create (except the
+//! leftovers of an earlier run of this module whose process is gone: their
+//! namespaces, bridge, and the processes still in those namespaces).
 
 #![allow(dead_code)]
 
@@ -173,11 +174,17 @@ impl Drop for Net {
 }
 
 /// Removes the namespaces and bridge of run `pid` (best effort: what does
-/// not exist is skipped). Deleting a namespace deletes its veth end, which
-/// deletes the pair.
+/// not exist is skipped), after killing what still runs in them (processes
+/// of a test that was itself killed). Deleting a namespace deletes its veth
+/// end, which deletes the pair.
 fn remove_of(pid: u32) {
     for ns in namespaces() {
         if owner(&ns) == Some(pid) {
+            if let Ok(out) = Command::new("ip").args(["netns", "pids", &ns]).output() {
+                for p in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-KILL", p]).status();
+                }
+            }
             let _ = ip(&["netns", "del", &ns]);
         }
     }
