@@ -275,6 +275,8 @@ pub(crate) struct Inner {
     pub(crate) cfg: TransportConfig,
     /// Memory for fragment reassembly, shared by every link of the node.
     pub(crate) reassembly: weft_wire::ReassemblyBudget,
+    /// Accepts that failed for want of descriptors or memory.
+    pub(crate) accept_starved: AtomicU64,
     pub(crate) secret: Arc<[u8]>,
     pub(crate) stats: Arc<Stats>,
     hub: Option<Arc<InprocHub>>,
@@ -334,6 +336,7 @@ impl Endpoint {
         let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             reassembly: weft_wire::ReassemblyBudget::new(cfg.reassembly_budget),
+            accept_starved: AtomicU64::new(0),
             secret: cfg.secret.clone().into(),
             detector: Mutex::new(Detector::new(cfg.heartbeat_interval, cfg.dead_after)),
             hub,
@@ -601,6 +604,12 @@ impl Endpoint {
     /// by [`TransportConfig::reassembly_budget`]).
     pub fn reassembly_bytes(&self) -> usize {
         self.inner.reassembly.in_use()
+    }
+
+    /// How many times accepting a TCP connection failed for want of
+    /// descriptors or memory (the listener backs off and goes on).
+    pub fn accept_starved(&self) -> u64 {
+        self.inner.accept_starved.load(Ordering::Relaxed)
     }
 
     /// Links open now (handshaking or established), all channels.

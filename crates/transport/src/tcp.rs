@@ -500,6 +500,7 @@ async fn accept_loop(listener: TcpListener, weak: Weak<Inner>) {
                 s
             }
             Err(e) if is_resource_exhaustion(&e) => {
+                ep.accept_starved.fetch_add(1, Ordering::Relaxed);
                 if !starved {
                     tracing::error!(node = %ep.cfg.node,
                         "accept failed: {e}; backing off until resources free up");

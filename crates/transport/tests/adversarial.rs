@@ -656,3 +656,94 @@ async fn a_peers_reasons_are_kept_short_and_on_one_line() {
     assert!(kept.len() < 1024, "{} bytes kept", kept.len());
     assert!(!kept.contains('\n'), "{kept}");
 }
+
+/// Sets this process's soft descriptor limit; returns the previous one.
+fn set_fd_limit(soft: u64) -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct given.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        let old = lim.rlim_cur;
+        lim.rlim_cur = soft.min(lim.rlim_max);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+        old
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_out_of_descriptors_does_not_stop_the_listener() {
+    let _serial = SERIAL.lock().await;
+    let a = start(cfg(1)).await;
+    let (mut warm, _) = Raw::handshake(&a, hello(0, 1, PeerRole::Client), SECRET).await;
+    warm.echo(1, 1).await;
+    drop(warm);
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() == 0,
+    )
+    .await;
+    // Room for a few descriptors only: the clients' sockets and the node's
+    // accepted ones soon use them all, and the node's accept fails EMFILE.
+    let starved = a.accept_starved();
+    let old = set_fd_limit(open_fds() as u64 + 12);
+    let mut clients = Vec::new();
+    for _ in 0..40 {
+        match std::net::TcpStream::connect(a.listen_addr().unwrap()) {
+            Ok(s) => clients.push(s),
+            Err(_) => break, // this process is out of descriptors
+        }
+    }
+    assert!(!clients.is_empty());
+    // Connections wait in the backlog while the node has no descriptor to
+    // accept them with; the accept loop meets EMFILE, backs off, tries
+    // again.
+    eventually(
+        || format!("{} starved accepts", a.accept_starved() - starved),
+        || a.accept_starved() >= starved + 2,
+    )
+    .await;
+    drop(clients);
+    set_fd_limit(old);
+    // Descriptors free again: the node accepts and serves.
+    let (mut raw, _) = Raw::handshake(&a, hello(0, 2, PeerRole::Client), SECRET).await;
+    raw.echo(1, 2).await;
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() <= 1,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_handshaking_bound_are_turned_away() {
+    let _serial = SERIAL.lock().await;
+    let a = start(TransportConfig {
+        max_handshaking: 2,
+        ..cfg(1)
+    })
+    .await;
+    // Two connections that never say Hello take both places...
+    let mut silent = vec![Raw::connect(&a).await, Raw::connect(&a).await];
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() == 2,
+    )
+    .await;
+    // ...so a third is told Unavailable at once.
+    let mut third = Raw::connect(&a).await;
+    third.refused(Status::Unavailable, "over the bound").await;
+    // The silent ones are refused at the handshake bound; then there is room.
+    for raw in &mut silent {
+        raw.refused(Status::TimedOut, "silent").await;
+    }
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() == 0,
+    )
+    .await;
+    let (mut raw, _) = Raw::handshake(&a, hello(0, 1, PeerRole::Client), SECRET).await;
+    raw.echo(1, 1).await;
+}
