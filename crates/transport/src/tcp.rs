@@ -321,9 +321,12 @@ impl TcpIo {
                         match decode_frame(&mut buf, &limits) {
                             Ok(Some(frame)) => {
                                 whole = true;
-                                match link.upgrade() {
-                                    Some(l) => l.on_frame(frame),
-                                    None => return,
+                                let Some(l) = link.upgrade() else { return };
+                                l.on_frame(frame);
+                                if l.inbox_full() {
+                                    // Stop reading until the node catches
+                                    // up: the peer's sends back up to it.
+                                    l.inbox_room().await;
                                 }
                             }
                             Ok(None) => break,

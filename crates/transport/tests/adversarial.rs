@@ -747,3 +747,88 @@ async fn connections_over_the_handshaking_bound_are_turned_away() {
     let (mut raw, _) = Raw::handshake(&a, hello(0, 1, PeerRole::Client), SECRET).await;
     raw.echo(1, 1).await;
 }
+
+/// Blocks the inbox task on the first message until the gate opens, then
+/// counts every message.
+struct Gate {
+    open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    seen: Arc<AtomicUsize>,
+}
+
+impl PortHandler for Gate {
+    fn on_message(&self, _from: PeerRef, _payload: Payload) {
+        let (lock, cv) = &*self.open;
+        let mut open = lock.lock().unwrap();
+        while !*open {
+            open = cv.wait(open).unwrap();
+        }
+        self.seen.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn a_member_faster_than_the_node_is_slowed_down_not_queued() {
+    let _serial = SERIAL.lock().await;
+    const BOUND: usize = 8;
+    const SENT: usize = 1000;
+    let a = start(TransportConfig {
+        max_inbox_per_link: BOUND,
+        ..cfg(1)
+    })
+    .await;
+    let open = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let seen = Arc::new(AtomicUsize::new(0));
+    a.set_port_handler(
+        Port::GROUP,
+        Arc::new(Gate {
+            open: open.clone(),
+            seen: seen.clone(),
+        }),
+    );
+    let (raw, _) = Raw::handshake(&a, hello(9, 1, PeerRole::Node), SECRET).await;
+    // 1000 messages of 64 KiB while the node handles none: far more than
+    // the kernel buffers hold.
+    let writer = tokio::spawn(async move {
+        let mut raw = raw;
+        let one = encoded(&Frame::Message(Message {
+            port: Port::GROUP,
+            payload: Payload::bytes(vec![3u8; 64 << 10]),
+        }));
+        for _ in 0..SENT {
+            raw.write(&one).await;
+        }
+        raw
+    });
+    eventually(
+        || format!("high water {}", a.inbox_high_water()),
+        || a.inbox_high_water() >= BOUND,
+    )
+    .await;
+    // Without the bound the node would read on and queue them all: give
+    // the writer every chance to finish (it cannot while the node holds).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !writer.is_finished() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let high_water = a.inbox_high_water();
+    // Open the gate (before any assertion: a test failing with the inbox
+    // task blocked would hang in the runtime's shutdown).
+    {
+        let (lock, cv) = &*open;
+        *lock.lock().unwrap() = true;
+        cv.notify_all();
+    }
+    assert!(
+        high_water <= BOUND,
+        "{high_water} messages of one link queued, bound {BOUND}"
+    );
+    // Every message is handled, none lost, the link lives.
+    let mut raw = writer.await.unwrap();
+    eventually(
+        || format!("{} of {SENT} handled", seen.load(Ordering::SeqCst)),
+        || seen.load(Ordering::SeqCst) == SENT,
+    )
+    .await;
+    raw.echo(1, 1).await;
+    assert!(a.inbox_high_water() <= BOUND);
+}
