@@ -251,6 +251,8 @@ pub(crate) fn peer_text(text: &str) -> String {
 ///   incarnation is the same node opening another link (another channel,
 ///   a reconnect); a newer one is that node restarted, which replaces the
 ///   old incarnation's links.
+/// - An id this node does not know is admitted: a joining node's first link
+///   reaches the directory before it is a member.
 ///
 /// These checks stop confusion (a stale process, a node configured with a
 /// taken id), not a malicious holder of the cluster secret: whoever knows
