@@ -18,7 +18,7 @@ use weft_raid::schema::{tuple, Item, Relation};
 use weft_raid::site::{SiteOp, SiteReply, SiteRequest};
 use weft_raid::{
     run_closed, AdRequest, ClusterOptions, Mode, RaidCluster, RaidSite, RunReport, SiteConfig,
-    Sizes, Workload, SITE_SERVICE,
+    LoadReply, LoadRequest, Sizes, Workload, LOAD_SERVICE, SITE_SERVICE,
 };
 use weft_tx::core::CoreConfig;
 use weft_tx::{ParticipationClass, Resource};
@@ -57,6 +57,20 @@ async fn sites(n: u32) -> Sites {
             b = b.join(Seed::Inproc(NodeId(1)));
         }
         nodes.push(b.start().await.expect("site starts"));
+    }
+    // Every copy loaded (a copy that is not loaded takes no site
+    // operations), with a database small enough to cost nothing.
+    let req = LoadRequest {
+        sizes: Sizes {
+            accounts: 10,
+            tellers: 1,
+            branches: 1,
+        },
+        sites: (1..=n).map(NodeId).collect(),
+    };
+    for id in 1..=n {
+        let load = Address::new(LOAD_SERVICE, NodeId(id)).expect("address");
+        let _: LoadReply = nodes[0].call(&load, req.clone()).await.expect("copy loads");
     }
     Sites { nodes, _dir: dir }
 }

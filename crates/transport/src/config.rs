@@ -82,6 +82,11 @@ pub struct TransportConfig {
     /// Requests received on one link and not yet answered; more are
     /// answered NoBuffer at once (a peer cannot pile up handler work).
     pub max_requests_per_link: usize,
+    /// Protocol messages from one link that may wait for the inbox task
+    /// (ports handled off the receiving thread, naming); while that many
+    /// wait, the link is not read, so a member that sends faster than this
+    /// node handles is slowed down by TCP instead of growing a queue.
+    pub max_inbox_per_link: usize,
     /// How long a TCP link may have frames waiting for the peer to read
     /// without any of them being taken; then the link is closed
     /// (TimedOut): a peer that stops reading must not hold a socket and its
@@ -119,6 +124,7 @@ impl TransportConfig {
             reconnect_backoff: (Duration::from_millis(20), Duration::from_millis(1000)),
             max_queued_frames: 4096,
             max_requests_per_link: 16384,
+            max_inbox_per_link: 16384,
             write_stall_timeout: Duration::from_secs(30),
             host_id: crate::host::host_id(),
             shm: crate::shm::ShmConfig::default(),
@@ -163,6 +169,9 @@ impl TransportConfig {
         }
         if self.limits.reassembly_timeout.is_zero() {
             return Err("the reassembly timeout must not be zero".into());
+        }
+        if self.max_inbox_per_link < 2 {
+            return Err("at least two inbox messages per link must be allowed".into());
         }
         if self.max_requests_per_link == 0 {
             return Err("at least one request per link must be allowed".into());

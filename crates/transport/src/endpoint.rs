@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -297,6 +297,10 @@ pub(crate) struct Inner {
     pub(crate) cfg: TransportConfig,
     /// Memory for fragment reassembly, shared by every link of the node.
     pub(crate) reassembly: weft_wire::ReassemblyBudget,
+    /// Accepts that failed for want of descriptors or memory.
+    pub(crate) accept_starved: AtomicU64,
+    /// The most messages of one link ever waiting for the inbox task.
+    inbox_high_water: AtomicUsize,
     pub(crate) secret: Arc<[u8]>,
     pub(crate) stats: Arc<Stats>,
     hub: Option<Arc<InprocHub>>,
@@ -307,7 +311,9 @@ pub(crate) struct Inner {
     handlers: RwLock<Handlers>,
     detector: Mutex<Detector>,
     naming: Mutex<NamingState>,
-    inbox: mpsc::UnboundedSender<(PeerRef, Message)>,
+    /// Messages for the inbox task, each with the link it came on (which
+    /// counts its messages waiting here; see [`Link::inbox_full`]).
+    inbox: mpsc::UnboundedSender<(PeerRef, Message, Arc<Link>)>,
     gateway: Mutex<Option<NodeId>>,
     link_ids: AtomicU64,
     call_ids: AtomicU64,
@@ -373,6 +379,8 @@ impl Endpoint {
         let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             reassembly: weft_wire::ReassemblyBudget::new(cfg.reassembly_budget),
+            accept_starved: AtomicU64::new(0),
+            inbox_high_water: AtomicUsize::new(0),
             secret: cfg.secret.clone().into(),
             detector: Mutex::new(Detector::new(cfg.heartbeat_interval, cfg.dead_after)),
             hub,
@@ -716,6 +724,19 @@ impl Endpoint {
     /// by [`TransportConfig::reassembly_budget`]).
     pub fn reassembly_bytes(&self) -> usize {
         self.inner.reassembly.in_use()
+    }
+
+    /// How many times accepting a TCP connection failed for want of
+    /// descriptors or memory (the listener backs off and goes on).
+    pub fn accept_starved(&self) -> u64 {
+        self.inner.accept_starved.load(Ordering::Relaxed)
+    }
+
+    /// The most protocol messages of one link that ever waited for this
+    /// node's inbox task at once (bounded by
+    /// [`TransportConfig::max_inbox_per_link`] on TCP links).
+    pub fn inbox_high_water(&self) -> usize {
+        self.inner.inbox_high_water.load(Ordering::Relaxed)
     }
 
     /// Links open now (handshaking or established), all channels.
@@ -1317,7 +1338,7 @@ impl Inner {
         }
     }
 
-    pub(crate) fn on_message(&self, peer: PeerRef, msg: Message) {
+    pub(crate) fn on_message(&self, link: &Arc<Link>, peer: PeerRef, msg: Message) {
         if msg.port != Port::NAMING {
             let handler = self.handlers.read().ports.get(&msg.port).cloned();
             if let Some(h) = handler.filter(|h| h.inline(peer.channel)) {
@@ -1327,7 +1348,13 @@ impl Inner {
                 return;
             }
         }
-        let _ = self.inbox.send((peer, msg));
+        let waiting = link.inbox_enter();
+        self.inbox_high_water.fetch_max(waiting, Ordering::Relaxed);
+        if let Err(mpsc::error::SendError((_, _, link))) =
+            self.inbox.send((peer, msg, Arc::clone(link)))
+        {
+            link.inbox_leave(); // the inbox task is gone: the node is closing
+        }
     }
 
     pub(crate) fn on_goodbye(self: &Arc<Self>, peer: PeerRef, reason: &str) {
@@ -1406,9 +1433,12 @@ impl Inner {
 
     async fn inbox_task(
         weak: std::sync::Weak<Inner>,
-        mut rx: mpsc::UnboundedReceiver<(PeerRef, Message)>,
+        mut rx: mpsc::UnboundedReceiver<(PeerRef, Message, Arc<Link>)>,
     ) {
-        while let Some((peer, msg)) = rx.recv().await {
+        while let Some((peer, msg, link)) = rx.recv().await {
+            // Whatever happens to the message, it no longer waits here.
+            link.inbox_leave();
+            drop(link);
             let Some(inner) = weak.upgrade() else { return };
             if inner.is_crashed() {
                 return;

@@ -251,6 +251,8 @@ pub(crate) fn peer_text(text: &str) -> String {
 ///   incarnation is the same node opening another link (another channel,
 ///   a reconnect); a newer one is that node restarted, which replaces the
 ///   old incarnation's links.
+/// - An id this node does not know is admitted: a joining node's first link
+///   reaches the directory before it is a member.
 ///
 /// These checks stop confusion (a stale process, a node configured with a
 /// taken id), not a malicious holder of the cluster secret: whoever knows
@@ -428,5 +430,102 @@ mod tests {
             matches!(&out_b[..], [Step::Fail(Status::Refused, _)]),
             "{out_b:?}"
         );
+    }
+
+    fn acceptor() -> Handshake {
+        Handshake::new(
+            Side::Acceptor,
+            hello(2, PeerRole::Node, 2),
+            b"s"[..].into(),
+            None,
+            true,
+        )
+    }
+
+    fn refused_with(steps: &[Step]) -> Option<(Status, &str)> {
+        steps.iter().find_map(|s| match s {
+            Step::Fail(status, reason) => Some((*status, reason.as_str())),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_hello_below_the_floors_or_with_a_bad_id_is_refused_before_any_answer() {
+        let cases = [
+            (
+                Hello {
+                    max_message: 16,
+                    ..hello(0, PeerRole::Client, 1)
+                },
+                "max_message 16",
+            ),
+            (
+                Hello {
+                    max_frame: 512,
+                    ..hello(0, PeerRole::Client, 1)
+                },
+                "max_frame 512",
+            ),
+            (hello(7, PeerRole::Client, 1), "node id 0"),
+            (hello(u32::MAX, PeerRole::Node, 1), "not a member id"),
+            (hello(0, PeerRole::Node, 1), "not a member id"),
+        ];
+        for (h, why) in cases {
+            let steps = acceptor().on_frame(Frame::Hello(h));
+            assert!(
+                matches!(&steps[0], Step::Send(Frame::Refused(r)) if r.status == Status::ProtocolError),
+                "{why}: {steps:?}"
+            );
+            let (status, reason) = refused_with(&steps).expect("fails");
+            assert_eq!(status, Status::ProtocolError, "{why}");
+            assert!(reason.contains(why), "{why}: {reason}");
+        }
+        // Exactly the floors are fine.
+        let steps = acceptor().on_frame(Frame::Hello(Hello {
+            max_frame: 1024,
+            max_message: 1024,
+            ..hello(0, PeerRole::Client, 1)
+        }));
+        assert!(refused_with(&steps).is_none(), "{steps:?}");
+    }
+
+    #[test]
+    fn identity_claims_follow_the_admission_rule() {
+        let own = (NodeId(2), Incarnation(5));
+        let claim = |node: u32, inc: u32| Hello {
+            incarnation: Incarnation(inc),
+            ..hello(node, PeerRole::Node, 9)
+        };
+        use ChannelKind::*;
+        // This node's own id: only its own in-process link to itself.
+        assert!(admit(&claim(2, 5), own, Inproc, None).is_ok());
+        assert_eq!(
+            admit(&claim(2, 5), own, Tcp, None).unwrap_err().0,
+            Status::Refused
+        );
+        assert_eq!(
+            admit(&claim(2, 6), own, Inproc, None).unwrap_err().0,
+            Status::Refused
+        );
+        // Another node: older than the live one is stale; same or newer is fine.
+        let live = Some(Incarnation(4));
+        assert_eq!(
+            admit(&claim(3, 3), own, Tcp, live).unwrap_err().0,
+            Status::Refused
+        );
+        assert!(admit(&claim(3, 4), own, Tcp, live).is_ok());
+        assert!(admit(&claim(3, 5), own, Tcp, live).is_ok());
+        assert!(admit(&claim(3, 1), own, Tcp, None).is_ok());
+        // Clients are not members: nothing to check here.
+        assert!(admit(&hello(0, PeerRole::Client, 1), own, Tcp, live).is_ok());
+    }
+
+    #[test]
+    fn a_peers_text_is_cut_and_kept_on_one_line() {
+        assert_eq!(peer_text("bye"), "bye");
+        assert_eq!(peer_text("a\nb\x1b[31m"), "a b [31m");
+        let long = peer_text(&"é".repeat(10_000));
+        assert_eq!(long.chars().count(), MAX_PEER_TEXT + 1);
+        assert!(long.ends_with('…'));
     }
 }

@@ -79,6 +79,12 @@ pub(crate) struct Link {
     /// a sign of life; the detector collects these flags on each tick, so
     /// the hot path takes no lock and reads no clock).
     heard: AtomicBool,
+    /// Messages from this link waiting for the endpoint's inbox task, and
+    /// the most that may (`max_inbox_per_link`); the channel stops reading
+    /// the link while it is full ([`Link::inbox_room`]).
+    inbox: AtomicUsize,
+    max_inbox: usize,
+    inbox_room: tokio::sync::Notify,
     /// Requests received on this link and not yet answered (their
     /// Responders live), bounded by `max_requests_per_link`.
     requests: AtomicUsize,
@@ -127,6 +133,9 @@ impl Link {
             closed: AtomicBool::new(false),
             heard: AtomicBool::new(false),
             requests: AtomicUsize::new(0),
+            inbox: AtomicUsize::new(0),
+            max_inbox: ep.cfg.max_inbox_per_link,
+            inbox_room: tokio::sync::Notify::new(),
             failing: Mutex::new(None),
             phase: tokio::sync::watch::channel(Phase::Handshaking).0,
         })
@@ -347,6 +356,43 @@ impl Link {
         }
     }
 
+    /// One more message of this link waits for the inbox task; returns
+    /// how many now do.
+    pub(crate) fn inbox_enter(&self) -> usize {
+        self.inbox.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// A message of this link left the inbox; wakes a reader waiting for
+    /// room once half of it is free.
+    pub(crate) fn inbox_leave(&self) {
+        let before = self.inbox.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(before > 0, "link {}: inbox count below zero", self.id);
+        if before == self.max_inbox / 2 + 1 || before == 1 {
+            self.inbox_room.notify_waiters();
+        }
+    }
+
+    /// True while as many messages of this link wait for the inbox task as
+    /// may: the channel should stop reading the link (the peer's sends then
+    /// back up to it) until [`Link::inbox_room`].
+    pub(crate) fn inbox_full(&self) -> bool {
+        self.inbox.load(Ordering::Acquire) >= self.max_inbox
+    }
+
+    /// Waits until the link's messages in the inbox are at most half the
+    /// bound, or the link closed.
+    pub(crate) async fn inbox_room(&self) {
+        loop {
+            let room = self.inbox_room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if self.inbox.load(Ordering::Acquire) <= self.max_inbox / 2 || self.is_closed() {
+                return;
+            }
+            room.await;
+        }
+    }
+
     /// Counts one more request being served on this link; false (and
     /// nothing counted) when `max` are already being served.
     pub(crate) fn take_request_slot(&self, max: usize) -> bool {
@@ -399,7 +445,7 @@ impl Link {
                     msg.port.0
                 ),
             ),
-            Frame::Message(msg) => ep.on_message(peer, msg),
+            Frame::Message(msg) => ep.on_message(self, peer, msg),
             Frame::Heartbeat(hb) => {
                 if !hb.reply {
                     let _ = self.send(Frame::Heartbeat(weft_wire::Heartbeat {

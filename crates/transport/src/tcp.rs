@@ -9,7 +9,14 @@
 //! over only when the kernel buffer is full. Receiving reads until a short
 //! read shows the socket drained and only then waits for readiness again, so
 //! a message costs one `recv`, not a second one that fails with EAGAIN.
-//! Owns sockets, never protocol state.
+//!
+//! Every socket is bounded in time and space: both tasks of a link end when
+//! it closes (they hold the descriptor); frames before the handshake are at
+//! most `HANDSHAKE_MAX_FRAME` and judged by kind first; a frame begun must
+//! finish within the reassembly timeout; a peer that stops reading loses
+//! its link after `write_stall_timeout`; at most `max_handshaking` accepted
+//! connections handshake at once; the accept loop backs off when the
+//! process is out of descriptors. Owns sockets, never protocol state.
 
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
@@ -314,9 +321,12 @@ impl TcpIo {
                         match decode_frame(&mut buf, &limits) {
                             Ok(Some(frame)) => {
                                 whole = true;
-                                match link.upgrade() {
-                                    Some(l) => l.on_frame(frame),
-                                    None => return,
+                                let Some(l) = link.upgrade() else { return };
+                                l.on_frame(frame);
+                                if l.inbox_full() {
+                                    // Stop reading until the node catches
+                                    // up: the peer's sends back up to it.
+                                    l.inbox_room().await;
                                 }
                             }
                             Ok(None) => break,
@@ -500,6 +510,7 @@ async fn accept_loop(listener: TcpListener, weak: Weak<Inner>) {
                 s
             }
             Err(e) if is_resource_exhaustion(&e) => {
+                ep.accept_starved.fetch_add(1, Ordering::Relaxed);
                 if !starved {
                     tracing::error!(node = %ep.cfg.node,
                         "accept failed: {e}; backing off until resources free up");

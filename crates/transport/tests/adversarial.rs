@@ -656,3 +656,179 @@ async fn a_peers_reasons_are_kept_short_and_on_one_line() {
     assert!(kept.len() < 1024, "{} bytes kept", kept.len());
     assert!(!kept.contains('\n'), "{kept}");
 }
+
+/// Sets this process's soft descriptor limit; returns the previous one.
+fn set_fd_limit(soft: u64) -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct given.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        let old = lim.rlim_cur;
+        lim.rlim_cur = soft.min(lim.rlim_max);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+        old
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_out_of_descriptors_does_not_stop_the_listener() {
+    let _serial = SERIAL.lock().await;
+    let a = start(cfg(1)).await;
+    let (mut warm, _) = Raw::handshake(&a, hello(0, 1, PeerRole::Client), SECRET).await;
+    warm.echo(1, 1).await;
+    drop(warm);
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() == 0,
+    )
+    .await;
+    // Room for a few descriptors only: the clients' sockets and the node's
+    // accepted ones soon use them all, and the node's accept fails EMFILE.
+    let starved = a.accept_starved();
+    let old = set_fd_limit(open_fds() as u64 + 12);
+    let mut clients = Vec::new();
+    for _ in 0..40 {
+        match std::net::TcpStream::connect(a.listen_addr().unwrap()) {
+            Ok(s) => clients.push(s),
+            Err(_) => break, // this process is out of descriptors
+        }
+    }
+    assert!(!clients.is_empty());
+    // Connections wait in the backlog while the node has no descriptor to
+    // accept them with; the accept loop meets EMFILE, backs off, tries
+    // again.
+    eventually(
+        || format!("{} starved accepts", a.accept_starved() - starved),
+        || a.accept_starved() >= starved + 2,
+    )
+    .await;
+    drop(clients);
+    set_fd_limit(old);
+    // Descriptors free again: the node accepts and serves.
+    let (mut raw, _) = Raw::handshake(&a, hello(0, 2, PeerRole::Client), SECRET).await;
+    raw.echo(1, 2).await;
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() <= 1,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_handshaking_bound_are_turned_away() {
+    let _serial = SERIAL.lock().await;
+    let a = start(TransportConfig {
+        max_handshaking: 2,
+        ..cfg(1)
+    })
+    .await;
+    // Two connections that never say Hello take both places...
+    let mut silent = vec![Raw::connect(&a).await, Raw::connect(&a).await];
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() == 2,
+    )
+    .await;
+    // ...so a third is told Unavailable at once.
+    let mut third = Raw::connect(&a).await;
+    third.refused(Status::Unavailable, "over the bound").await;
+    // The silent ones are refused at the handshake bound; then there is room.
+    for raw in &mut silent {
+        raw.refused(Status::TimedOut, "silent").await;
+    }
+    eventually(
+        || format!("{} links", a.open_links()),
+        || a.open_links() == 0,
+    )
+    .await;
+    let (mut raw, _) = Raw::handshake(&a, hello(0, 1, PeerRole::Client), SECRET).await;
+    raw.echo(1, 1).await;
+}
+
+/// Blocks the inbox task on the first message until the gate opens, then
+/// counts every message.
+struct Gate {
+    open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    seen: Arc<AtomicUsize>,
+}
+
+impl PortHandler for Gate {
+    fn on_message(&self, _from: PeerRef, _payload: Payload) {
+        let (lock, cv) = &*self.open;
+        let mut open = lock.lock().unwrap();
+        while !*open {
+            open = cv.wait(open).unwrap();
+        }
+        self.seen.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn a_member_faster_than_the_node_is_slowed_down_not_queued() {
+    let _serial = SERIAL.lock().await;
+    const BOUND: usize = 8;
+    const SENT: usize = 1000;
+    let a = start(TransportConfig {
+        max_inbox_per_link: BOUND,
+        ..cfg(1)
+    })
+    .await;
+    let open = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let seen = Arc::new(AtomicUsize::new(0));
+    a.set_port_handler(
+        Port::GROUP,
+        Arc::new(Gate {
+            open: open.clone(),
+            seen: seen.clone(),
+        }),
+    );
+    let (raw, _) = Raw::handshake(&a, hello(9, 1, PeerRole::Node), SECRET).await;
+    // 1000 messages of 64 KiB while the node handles none: far more than
+    // the kernel buffers hold.
+    let writer = tokio::spawn(async move {
+        let mut raw = raw;
+        let one = encoded(&Frame::Message(Message {
+            port: Port::GROUP,
+            payload: Payload::bytes(vec![3u8; 64 << 10]),
+        }));
+        for _ in 0..SENT {
+            raw.write(&one).await;
+        }
+        raw
+    });
+    eventually(
+        || format!("high water {}", a.inbox_high_water()),
+        || a.inbox_high_water() >= BOUND,
+    )
+    .await;
+    // Without the bound the node would read on and queue them all: give
+    // the writer every chance to finish (it cannot while the node holds).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !writer.is_finished() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let high_water = a.inbox_high_water();
+    // Open the gate (before any assertion: a test failing with the inbox
+    // task blocked would hang in the runtime's shutdown).
+    {
+        let (lock, cv) = &*open;
+        *lock.lock().unwrap() = true;
+        cv.notify_all();
+    }
+    assert!(
+        high_water <= BOUND,
+        "{high_water} messages of one link queued, bound {BOUND}"
+    );
+    // Every message is handled, none lost, the link lives.
+    let mut raw = writer.await.unwrap();
+    eventually(
+        || format!("{} of {SENT} handled", seen.load(Ordering::SeqCst)),
+        || seen.load(Ordering::SeqCst) == SENT,
+    )
+    .await;
+    raw.echo(1, 1).await;
+    assert!(a.inbox_high_water() <= BOUND);
+}

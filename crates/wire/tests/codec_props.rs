@@ -958,4 +958,30 @@ fn zero_and_the_edges_of_each_length_are_minimal_and_accepted() {
         }
         other => panic!("expected an overlong varint error, got {other:?}"),
     }
+
+#[test]
+fn peek_kind_reads_the_kind_once_magic_and_version_are_in() {
+    let mut out = BytesMut::new();
+    encode_frame(&Frame::Goodbye(Goodbye { reason: "x".into() }), &mut out).unwrap();
+    assert_eq!(peek_kind(&out[..3]), None, "not enough bytes");
+    assert_eq!(peek_kind(&out[..4]), Some(FrameKind::Goodbye));
+    assert_eq!(peek_kind(b"GET "), None, "bad magic");
+    assert_eq!(peek_kind(&[b'w', b'f', 9, 1]), None, "unknown version");
+    assert_eq!(peek_kind(&[b'w', b'f', 1, 200]), None, "unknown kind");
+    // Before a handshake a frame may be no larger than a handshake needs.
+    let limits = Limits::default().handshake();
+    assert_eq!(limits.max_frame, codec::HANDSHAKE_MAX_FRAME);
+    let mut big = BytesMut::new();
+    encode_frame(
+        &Frame::Refused(Refused {
+            status: Status::Refused,
+            reason: "r".repeat(2000),
+        }),
+        &mut big,
+    )
+    .unwrap();
+    assert!(matches!(
+        decode_frame(&mut big, &limits),
+        Err(DecodeError::TooLarge { max: 1024, .. })
+    ));
 }
