@@ -17,8 +17,8 @@ use weft::{FaultPlan, FaultScope, LinkFaults};
 use weft_raid::schema::{tuple, Item, Relation};
 use weft_raid::site::{SiteOp, SiteReply, SiteRequest};
 use weft_raid::{
-    run_closed, AdRequest, ClusterOptions, Mode, RaidCluster, RaidSite, RunReport, SiteConfig,
-    LoadReply, LoadRequest, Sizes, Workload, LOAD_SERVICE, SITE_SERVICE,
+    run_closed, AdRequest, ClusterOptions, LoadReply, LoadRequest, Mode, RaidCluster, RaidSite,
+    RunReport, SiteConfig, Sizes, Workload, LOAD_SERVICE, SITE_SERVICE,
 };
 use weft_tx::core::CoreConfig;
 use weft_tx::{ParticipationClass, Resource};

@@ -958,6 +958,7 @@ fn zero_and_the_edges_of_each_length_are_minimal_and_accepted() {
         }
         other => panic!("expected an overlong varint error, got {other:?}"),
     }
+}
 
 #[test]
 fn peek_kind_reads_the_kind_once_magic_and_version_are_in() {
