@@ -538,7 +538,7 @@ impl Chaos {
 
         // The load, long enough for the schedule and the tail.
         let planned: Duration = self.steps.iter().map(|s| s.down + s.gap).sum();
-        let duration = o.warmup + planned + o.tail + Duration::from_secs(5);
+        let duration = o.warmup + planned + o.tail + Duration::from_secs(2);
         self.start_run(duration);
         let started = Instant::now();
         self.event("weft raid run started".into(), true);
