@@ -538,7 +538,7 @@ impl Chaos {
 
         // The load, long enough for the schedule and the tail.
         let planned: Duration = self.steps.iter().map(|s| s.down + s.gap).sum();
-        let duration = o.warmup + planned + o.tail + Duration::from_secs(5);
+        let duration = o.warmup + planned + o.tail + Duration::from_secs(2);
         self.start_run(duration);
         let started = Instant::now();
         self.event("weft raid run started".into(), true);
@@ -549,6 +549,7 @@ impl Chaos {
         let steps = self.steps.clone();
         for (i, st) in steps.iter().enumerate() {
             sleep_until(started + at);
+            self.snapshot_transactions(&format!("before fault {}", i + 1));
             match &st.fault {
                 Fault::Kill(ids) => {
                     let ms = now_ms();
@@ -603,6 +604,7 @@ impl Chaos {
             std::thread::sleep(Duration::from_millis(100));
         };
         self.run = None;
+        self.snapshot_transactions("when the run ended");
         let end_ms = now_ms();
         self.event("weft raid run ended".into(), true);
         let out = std::fs::read_to_string(self.run_file("out")).unwrap_or_default();
@@ -649,6 +651,49 @@ impl Chaos {
         } else {
             self.fail(problems)
         }
+    }
+
+    /// Notes the transactions live at every site (`weft tx list`): how
+    /// many, by phase, how many in doubt, the oldest. A wedge shows as
+    /// transactions that stay.
+    fn snapshot_transactions(&mut self, when: &str) {
+        let mut s = format!("transactions live {when}:");
+        for i in 1..=self.opts.sites {
+            let (code, out, err) = weft(&[
+                "tx",
+                "list",
+                "--node",
+                &self.addrs[i - 1],
+                "--secret",
+                SECRET,
+                "--json",
+                "--timeout",
+                "2s",
+            ]);
+            let list: Option<Vec<Value>> = serde_json::from_str(&out).ok().filter(|_| code == 0);
+            let Some(list) = list else {
+                let _ = write!(s, " site {i}: no answer ({});", err.trim());
+                continue;
+            };
+            let mut phases: BTreeMap<String, usize> = BTreeMap::new();
+            for t in &list {
+                *phases
+                    .entry(t["phase"].as_str().unwrap_or("?").to_string())
+                    .or_default() += 1;
+            }
+            let in_doubt = list.iter().filter(|t| t["in_doubt"] == true).count();
+            let oldest = list
+                .iter()
+                .max_by_key(|t| t["age_ms"].as_u64().unwrap_or(0))
+                .map(|t| format!(", oldest {} {} ms {}", t["tid"], t["age_ms"], t["phase"]))
+                .unwrap_or_default();
+            let _ = write!(
+                s,
+                " site {i}: {} {phases:?}, {in_doubt} in doubt{oldest};",
+                list.len()
+            );
+        }
+        self.notes.push(s);
     }
 
     /// Starts `weft raid run` for `duration`, writing its acknowledgements
