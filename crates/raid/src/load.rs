@@ -3,7 +3,8 @@
 //! Owns the initial state: every balance 0, history empty, and the copy's
 //! placement (the sites holding a copy, see [`crate::rc`]). Must never load
 //! twice over a loaded copy (a reload would undo committed work), nor
-//! change a loaded copy's placement.
+//! change a loaded copy's placement, nor run a transaction in the poll
+//! that starts it (the thread polling it first may be a link's reader).
 
 use std::sync::Arc;
 
@@ -112,6 +113,10 @@ pub async fn load_store(
     let batches = items.len().div_ceil(LOAD_BATCH as usize).max(1);
     let mut chunks = items.chunks(LOAD_BATCH as usize);
     for i in 0..batches {
+        // Each transaction runs in a poll of its own, never the first: the
+        // RPC layer polls a handler once in the link's reader, and a load
+        // (hundreds of ms in a debug build) would keep that link unread.
+        tokio::task::yield_now().await;
         let tx = rpc.begin();
         rpc.tm().enlist(tx.tid(), participant.clone())?;
         let mut ops: Vec<Op> = chunks

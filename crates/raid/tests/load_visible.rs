@@ -1,8 +1,46 @@
 //! A loaded database is visible to the very next transaction at every site.
 
+use std::future::Future;
+use std::task::Context;
 use std::time::Duration;
 
+use weft::NodeId;
 use weft_raid::*;
+
+/// `weft raid load` failed with "peer closed the shared-memory link": the
+/// RPC layer polls a handler once where the request arrives (a link's
+/// reader), and that one poll ran the whole load, long enough for the site
+/// to hear nothing from its caller and declare it dead. The load's first
+/// poll now writes nothing and gives the thread back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_gives_back_the_thread_that_first_polls_it() {
+    let c = RaidCluster::start(1, &std::env::temp_dir(), ClusterOptions::default())
+        .await
+        .unwrap();
+    let site = c.sites[0].clone();
+    let sizes = Sizes::tpcb(1);
+    let mut load = Box::pin(weft_raid::load::load_store(
+        c.nodes[0].rpc(),
+        site.store(),
+        site.participant_handle(),
+        LoadRequest {
+            sizes,
+            sites: vec![NodeId(1)],
+        },
+    ));
+    let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+    assert!(load.as_mut().poll(&mut cx).is_pending());
+    let accounts = || {
+        site.store()
+            .committed_with_prefix(&[Relation::Account.prefix()])
+            .len() as u64
+    };
+    assert_eq!(accounts(), 0, "the first poll wrote nothing");
+    let reply = load.await.unwrap();
+    let all: u64 = Relation::BALANCES.iter().map(|r| sizes.of(*r)).sum();
+    assert_eq!(reply.tuples, all);
+    assert_eq!(accounts(), sizes.of(Relation::Account));
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_tuple_is_visible_right_after_the_load() {

@@ -3,8 +3,12 @@
 //! Owns the liveness verdict for every watched peer: a peer not heard from for
 //! `dead_after` is dead; hearing from it again revives it. Any frame counts as
 //! hearing from a peer; probes are only sent to peers that have been quiet for
-//! a heartbeat interval. Must never touch sockets or clocks: time comes in as
-//! an argument and verdicts go out as values.
+//! a heartbeat interval. Silence counts towards death only while this node
+//! listens: a peer whose link this node does not read for a while (its
+//! reader is busy handing a frame up) is still probed (the probes are this
+//! node's sign of life), never declared dead for that time. Must never touch
+//! sockets or clocks: time comes in as an argument and verdicts go out as
+//! values.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -24,7 +28,12 @@ pub(crate) enum Verdict {
 
 #[derive(Debug)]
 struct Watch {
+    /// The last frame from the peer (probes go to a peer quiet for an
+    /// interval).
     last_heard: Instant,
+    /// Since when the peer has been silent while this node listened: the
+    /// last frame, or the last moment this node could not read it.
+    silent_since: Instant,
     last_probe: Option<Instant>,
     seq: u64,
     dead: bool,
@@ -53,6 +62,7 @@ impl Detector {
     pub(crate) fn watch(&mut self, node: NodeId, now: Instant) {
         self.peers.entry(node).or_insert(Watch {
             last_heard: now,
+            silent_since: now,
             last_probe: None,
             seq: 0,
             dead: false,
@@ -69,11 +79,24 @@ impl Detector {
     pub(crate) fn heard(&mut self, node: NodeId, now: Instant) -> Option<Verdict> {
         let w = self.peers.get_mut(&node)?;
         w.last_heard = now;
+        w.silent_since = now;
         if w.dead {
             w.dead = false;
             return Some(Verdict::Revived(node));
         }
         None
+    }
+
+    /// Records that at `now` this node was not reading what `node` sends
+    /// (a frame of its link still being handed up): its silence until now
+    /// is no evidence. It is still probed (the probes tell it this node is
+    /// alive), and a peer already dead stays dead.
+    pub(crate) fn unread(&mut self, node: NodeId, now: Instant) {
+        if let Some(w) = self.peers.get_mut(&node) {
+            if !w.dead {
+                w.silent_since = now;
+            }
+        }
     }
 
     /// Forces the verdict `dead` for `node` now (e.g. its process is known to
@@ -99,7 +122,7 @@ impl Detector {
         let mut out = Vec::new();
         for (&node, w) in self.peers.iter_mut() {
             let silent = now.saturating_duration_since(w.last_heard);
-            if !w.dead && silent > self.dead_after {
+            if !w.dead && now.saturating_duration_since(w.silent_since) > self.dead_after {
                 w.dead = true;
                 out.push(Verdict::Dead(node));
             }
@@ -148,6 +171,33 @@ mod tests {
             Some(Verdict::Revived(NodeId(2)))
         );
         assert!(!d.is_dead(NodeId(2)));
+    }
+
+    #[test]
+    fn a_peer_this_node_does_not_read_is_probed_but_not_declared_dead() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut d = Detector::new(ms(100), ms(500));
+        d.watch(NodeId(3), t0);
+        // This node's reader of node 3's link is busy from 10 ms to 2 s.
+        let mut probes = 0;
+        for i in 1..=40 {
+            let now = t0 + ms(i * 50);
+            d.unread(NodeId(3), now);
+            for v in d.tick(now) {
+                match v {
+                    Verdict::Probe(NodeId(3), _) => probes += 1,
+                    other => panic!("at {} ms: {other:?}", i * 50),
+                }
+            }
+        }
+        assert!(probes >= 15, "probed on every interval: {probes}");
+        // Read again and silent: dead dead_after after the reader freed.
+        assert!(!d.tick(t0 + ms(2500)).contains(&Verdict::Dead(NodeId(3))));
+        assert!(d.tick(t0 + ms(2501)).contains(&Verdict::Dead(NodeId(3))));
+        // A dead peer is not revived by this node's own busy reader.
+        d.unread(NodeId(3), t0 + ms(2600));
+        assert!(d.is_dead(NodeId(3)));
     }
 
     #[test]

@@ -1264,17 +1264,33 @@ impl Inner {
     }
 
     /// Feeds the failure detector with the links that received frames since
-    /// the last tick.
+    /// the last tick, and those not read now (a frame still being handed
+    /// up: a handler polled in the reader's context may run long).
     fn collect_heard(self: &Arc<Self>, now: Instant) {
-        let heard: Vec<NodeId> = self
-            .links
-            .lock()
-            .values()
-            .filter(|l| l.take_heard())
-            .filter_map(|l| l.peer_ref())
-            .filter(|p| p.role == PeerRole::Node && p.node != self.cfg.node)
-            .map(|p| p.node)
-            .collect();
+        let mut heard = Vec::new();
+        let mut unread = Vec::new();
+        for l in self.links.lock().values() {
+            let (got, busy) = (l.take_heard(), l.is_delivering());
+            if !got && !busy {
+                continue;
+            }
+            let Some(p) = l.peer_ref() else { continue };
+            if p.role != PeerRole::Node || p.node == self.cfg.node {
+                continue;
+            }
+            if got {
+                heard.push(p.node);
+            }
+            if busy {
+                unread.push(p.node);
+            }
+        }
+        {
+            let mut detector = self.detector.lock();
+            for node in unread {
+                detector.unread(node, now);
+            }
+        }
         for node in heard {
             let verdict = self.detector.lock().heard(node, now);
             if let Some(Verdict::Revived(node)) = verdict {

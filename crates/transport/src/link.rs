@@ -79,6 +79,11 @@ pub(crate) struct Link {
     /// a sign of life; the detector collects these flags on each tick, so
     /// the hot path takes no lock and reads no clock).
     heard: AtomicBool,
+    /// Frames of this link being handed to the endpoint right now. While
+    /// one is (a handler run in the reader's context that takes long),
+    /// nothing more is read from the link, so its silence says nothing
+    /// about the peer ([`crate::detector::Detector::unread`]).
+    delivering: AtomicUsize,
     /// Messages from this link waiting for the endpoint's inbox task, and
     /// the most that may (`max_inbox_per_link`); the channel stops reading
     /// the link while it is full ([`Link::inbox_room`]).
@@ -132,6 +137,7 @@ impl Link {
             }),
             closed: AtomicBool::new(false),
             heard: AtomicBool::new(false),
+            delivering: AtomicUsize::new(0),
             requests: AtomicUsize::new(0),
             inbox: AtomicUsize::new(0),
             max_inbox: ep.cfg.max_inbox_per_link,
@@ -322,6 +328,7 @@ impl Link {
             return;
         }
         if let Some(peer) = self.up.get() {
+            let _delivering = Delivering::enter(self);
             self.dispatch(&ep, *peer, frame);
             return;
         }
@@ -341,6 +348,7 @@ impl Link {
             State::Up(peer) => {
                 let peer = *peer;
                 drop(state);
+                let _delivering = Delivering::enter(self);
                 self.dispatch(&ep, peer, frame);
             }
         }
@@ -416,6 +424,12 @@ impl Link {
     /// Returns and clears the "a frame arrived" flag.
     pub(crate) fn take_heard(&self) -> bool {
         self.heard.swap(false, Ordering::Relaxed)
+    }
+
+    /// True while a frame of this link is being delivered: the link is not
+    /// read meanwhile, so the peer cannot be heard however much it sends.
+    pub(crate) fn is_delivering(&self) -> bool {
+        self.delivering.load(Ordering::Relaxed) > 0
     }
 
     fn dispatch(self: &Arc<Self>, ep: &Arc<Inner>, peer: PeerRef, frame: Frame) {
@@ -598,6 +612,23 @@ impl Link {
         *st = State::Up(peer);
         let _ = self.up.set(peer);
         Some(peer)
+    }
+}
+
+/// Counts one frame of a link being delivered, for as long as it lives
+/// (also when the handler panics).
+struct Delivering<'a>(&'a Link);
+
+impl<'a> Delivering<'a> {
+    fn enter(link: &'a Link) -> Self {
+        link.delivering.fetch_add(1, Ordering::Relaxed);
+        Delivering(link)
+    }
+}
+
+impl Drop for Delivering<'_> {
+    fn drop(&mut self) {
+        self.0.delivering.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

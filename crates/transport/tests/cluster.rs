@@ -12,7 +12,10 @@ use weft_wire::*;
 
 /// A request handler: `echo` answers with the payload, `double` with the
 /// payload twice over, `hang` never answers
-/// (until the node dies), anything else is NoSuchService.
+/// (until the node dies), `slow` answers after holding the context it is
+/// handed the request in for the payload's milliseconds (a handler polled
+/// in the link's reader that does long work before its first wait),
+/// anything else is NoSuchService.
 struct TestService;
 
 impl RequestHandler for TestService {
@@ -34,6 +37,19 @@ impl RequestHandler for TestService {
                     detail: String::new(),
                     tx: None,
                     payload: Payload::local(v),
+                })
+            }
+            "slow" => {
+                let ms: u64 = req.payload.decode().expect("milliseconds");
+                // The reader stays inside this call; the runtime's other
+                // tasks (the detector, the other links) go on elsewhere.
+                tokio::task::block_in_place(|| std::thread::sleep(Duration::from_millis(ms)));
+                responder.respond(Response {
+                    call_id: 0,
+                    status: Status::Ok,
+                    detail: String::new(),
+                    tx: None,
+                    payload: Payload::local(ms),
                 })
             }
             "hang" => {
@@ -460,6 +476,50 @@ async fn a_wrong_secret_is_refused_on_both_sides_over_tcp() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(alive(&a.view()), vec![1]);
+}
+
+/// `weft raid load` failed with "peer closed the shared-memory link": a
+/// site's link reader ran the load handler (polled in place) for longer than
+/// `dead_after`, read no heartbeat meanwhile, declared the live caller dead
+/// and abandoned its links, the one the answer was due on included. A link
+/// whose reader is busy delivering a frame is not a silent peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_holding_the_links_reader_past_dead_after_is_no_death_verdict() {
+    let quick = |node| TransportConfig {
+        heartbeat_interval: Duration::from_millis(50),
+        dead_after: Duration::from_millis(500),
+        ..tcp_cfg(node, b"k")
+    };
+    let a = start(quick(1)).await;
+    let b = start(quick(2)).await;
+    b.join(Seed::Tcp(a.listen_addr().unwrap())).await.unwrap();
+    converge(&[a.clone(), b.clone()], "2 members", |v| {
+        alive(v) == vec![1, 2]
+    })
+    .await;
+    let events = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    for ep in [&a, &b] {
+        let ev = events.clone();
+        let me = ep.node_id();
+        ep.on_membership(move |e| ev.lock().push((me, e.clone())));
+    }
+    // Four times dead_after: before the fix node 2 declared node 1 dead
+    // about 0.5 s in, and the call ended ProcDead (link closed).
+    let r = a
+        .call(
+            NodeId(2),
+            request("slow", 2, Payload::local(2000u64)),
+            soon(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap_or_else(|f| panic!("the slow call failed: {f}; events {:?}", events.lock()));
+    assert_eq!(r.status, Status::Ok, "{}", r.detail);
+    assert_eq!(r.payload.decode::<u64>().unwrap(), 2000);
+    assert!(events.lock().is_empty(), "{:?}", events.lock());
+    assert_eq!(alive(&a.view()), vec![1, 2]);
+    assert_eq!(alive(&b.view()), vec![1, 2]);
+    let r = echo(&b, 1).await.expect("the link still carries calls");
+    assert_eq!(r.status, Status::Ok);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
