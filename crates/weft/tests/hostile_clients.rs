@@ -412,3 +412,64 @@ fn ctx_of(c: &Cluster) -> TxContext {
     drop(tx);
     ctx
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_still_running_when_its_transaction_aborts_leaves_no_lock_or_write() {
+    let (c, stores) = kv_pair(1608, KvLimits::default()).await;
+    // A service of node 2 that writes to its store once let go: a kv
+    // request still working through its operations when the abort comes.
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let (kv2, g) = (stores[1].clone(), gate.clone());
+    c.node(2)
+        .register(
+            "slow_put",
+            ServiceOptions::with_participant(kv2.resource()),
+            move |ctx, key: String| {
+                let (kv, g) = (kv2.clone(), g.clone());
+                async move {
+                    g.notified().await;
+                    let xid = ctx.tx().expect("called in a transaction").xid();
+                    kv.execute(&xid, vec![Op::Put(b(&key), b("late"))], ctx.deadline())
+                        .await?;
+                    Ok(())
+                }
+            },
+        )
+        .unwrap();
+    let tx = c.node(1).begin();
+    let (tid, ctx) = (tx.tid(), tx.context().clone());
+    let rpc = c.node(1).rpc().clone();
+    let call = tokio::spawn(async move {
+        rpc.call_payload(
+            Some(&ctx),
+            &addr("slow_put@2"),
+            Payload::local("late".to_string()),
+            None,
+        )
+        .await
+    });
+    wait_for("node 2 runs the call", Duration::from_secs(5), || {
+        c.node(2)
+            .tm()
+            .status(tid)
+            .is_some_and(|s| s.active_calls == 1)
+    })
+    .await;
+    tx.abort("the client gave up").await.unwrap();
+    wait_for("node 2 aborts", Duration::from_secs(5), || {
+        c.node(2).tm().status(tid).is_none_or(|s| s.phase == "done")
+    })
+    .await;
+    gate.notify_one();
+    let _ = call.await.unwrap();
+    wait_for(
+        "node 2 holds no lock and no write of the aborted transaction",
+        Duration::from_secs(5),
+        || {
+            let s = stores[1].stats();
+            s.locked_keys == 0 && s.live_branches == 0
+        },
+    )
+    .await;
+    assert_eq!(stores[1].committed(b"late"), None);
+}
