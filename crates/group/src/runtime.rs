@@ -531,6 +531,13 @@ impl Shared {
     }
 }
 
+/// `now + wait`, or a century from now when that is not a time (a caller's
+/// `Duration::MAX` means "no bound" and must not overflow the clock).
+pub(crate) fn deadline_after(now: Instant, wait: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    now.checked_add(wait.min(CENTURY)).unwrap_or(now)
+}
+
 fn unexpected(a: &DirAnswer) -> Failure {
     Failure::new(
         Status::ProtocolError,
@@ -1314,7 +1321,7 @@ impl GroupSender {
     /// communication is over (every wanted reply taken, replies set to 0,
     /// superseded, or no send).
     pub async fn next_reply(&self, gid: &GroupId, timeout: Duration) -> Result<Reply, Failure> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(Instant::now(), timeout);
         loop {
             let mut notified = pin!(self.notify.notified());
             notified.as_mut().enable();

@@ -443,7 +443,7 @@ pub async fn send_and_collect(
             return report;
         }
     }
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::runtime::deadline_after(Instant::now(), timeout);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match sender.next_reply(gid, left).await {

@@ -4,7 +4,10 @@
 //! locking ([`lock`]; a conflict waits up to a bound, then fails with
 //! LockConflict), durable through the node's log (prepare records) plus
 //! periodic snapshots, recovered with the transaction manager's outcomes.
-//! Read-only branches vote READ-ONLY and leave the protocol at once.
+//! Read-only branches vote READ-ONLY and leave the protocol at once. Keys,
+//! values, each transaction's write set, the lock table and scans are
+//! bounded ([`KvLimits`]): past a bound an operation is refused with
+//! TooLarge, NoBuffer or BadRequest before it holds anything.
 
 pub mod api;
 pub mod lock;
@@ -13,4 +16,4 @@ pub mod snapshot;
 pub mod store;
 
 pub use api::{int_value, parse_int, KvRecord, KvRequest, KvResponse, Op, Reply, KV_RECORD_TAG};
-pub use service::{Kv, KvConfig, KvStats, Locking, SERVICE};
+pub use service::{Kv, KvConfig, KvLimits, KvStats, Locking, SERVICE};

@@ -4,9 +4,11 @@
 //! Owns the glue between the store (data), the lock manager (isolation: strict
 //! two-phase locking, a conflict waits at most a bound and then fails with
 //! LockConflict) and the transaction manager (prepare writes the branch's
-//! redo record to the node's log; commit applies it). Must never make a write
-//! visible before its transaction commits, nor hold a lock past its
-//! transaction's end.
+//! redo record to the node's log; commit applies it), and the bounds on what
+//! one client may make the store hold ([`KvLimits`]). Must never make a
+//! write visible before its transaction commits, hold a lock past its
+//! transaction's end, nor take a lock or a byte for an operation past a
+//! bound.
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -21,9 +23,9 @@ use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
 use weft_wire::{Failure, Status, SubPath, Tid, Xid};
 
 use crate::api::{int_value, parse_int, KvRecord, KvRequest, KvResponse, Op, Reply, KV_RECORD_TAG};
-use crate::lock::{LockError, LockManager, LockMode, LockOwner};
+use crate::lock::{LockError, LockLimits, LockManager, LockMode, LockOwner};
 use crate::snapshot;
-use crate::store::Store;
+use crate::store::{Store, WriteLimits};
 
 /// The name the service registers under.
 pub const SERVICE: &str = "kv";
@@ -57,6 +59,44 @@ pub enum Locking {
     External,
 }
 
+/// What one client may make the store hold: every operation past a bound is
+/// refused with a precise status before it takes a lock or a byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLimits {
+    /// Longest key of any operation (a Scan's bounds too); longer: TooLarge.
+    pub max_key_bytes: usize,
+    /// Longest value a Put writes; longer: TooLarge.
+    pub max_value_bytes: usize,
+    /// Most keys one transaction writes at this node; more: TooLarge.
+    pub max_writes: usize,
+    /// Most key plus value bytes one transaction writes at this node; more:
+    /// TooLarge. Below the log's largest record, which a prepare record must
+    /// fit in.
+    pub max_write_bytes: usize,
+    /// Most keys locked at once at this node, over every transaction; a lock
+    /// on one more: NoBuffer.
+    pub max_locked_keys: usize,
+    /// Most lock requests waiting at once at this node; one more that would
+    /// wait: NoBuffer.
+    pub max_lock_waiters: usize,
+    /// Largest `limit` a Scan may ask for; larger: BadRequest.
+    pub max_scan_rows: u32,
+}
+
+impl Default for KvLimits {
+    fn default() -> Self {
+        KvLimits {
+            max_key_bytes: 4096,
+            max_value_bytes: 1 << 20,
+            max_writes: 65_536,
+            max_write_bytes: 8 << 20,
+            max_locked_keys: 1 << 20,
+            max_lock_waiters: 65_536,
+            max_scan_rows: 10_000,
+        }
+    }
+}
+
 /// KV settings.
 #[derive(Clone, Debug)]
 pub struct KvConfig {
@@ -66,6 +106,8 @@ pub struct KvConfig {
     pub dir: Option<PathBuf>,
     /// Who locks.
     pub locking: Locking,
+    /// Bounds on keys, values, write sets, the lock table and scans.
+    pub limits: KvLimits,
 }
 
 impl Default for KvConfig {
@@ -74,6 +116,7 @@ impl Default for KvConfig {
             lock_wait: Duration::from_secs(1),
             dir: None,
             locking: Locking::Strict2PL,
+            limits: KvLimits::default(),
         }
     }
 }
@@ -89,6 +132,10 @@ pub struct KvStats {
     pub lock_waits: u64,
     /// Lock requests that ended in LockConflict.
     pub lock_conflicts: u64,
+    /// Keys locked (held or waited for) now.
+    pub locked_keys: usize,
+    /// Transactions that wrote here and have not prepared or ended yet.
+    pub live_branches: usize,
 }
 
 struct Inner {
@@ -113,11 +160,15 @@ struct Participant(Arc<Inner>);
 impl Kv {
     /// A store with `cfg`, empty until its node recovers it.
     pub fn new(cfg: KvConfig) -> Kv {
+        let locks = LockManager::with_limits(LockLimits {
+            max_keys: Some(cfg.limits.max_locked_keys),
+            max_waiters: Some(cfg.limits.max_lock_waiters),
+        });
         Kv {
             inner: Arc::new(Inner {
                 cfg,
                 store: RwLock::new(Store::new()),
-                locks: LockManager::new(),
+                locks,
                 tm: OnceLock::new(),
                 log: OnceLock::new(),
                 dir: OnceLock::new(),
@@ -134,7 +185,14 @@ impl Kv {
             prepared: store.prepared_tids().len(),
             lock_waits: locks.waits,
             lock_conflicts: locks.conflicts + locks.timeouts,
+            locked_keys: self.inner.locks.len(),
+            live_branches: store.live_branches(),
         }
+    }
+
+    /// Keys locked (held or waited for) now.
+    pub fn locked_keys(&self) -> usize {
+        self.inner.locks.len()
     }
 
     /// The committed value of `key`, outside any transaction (a dirty-free
@@ -216,8 +274,80 @@ impl Kv {
                 Status::LockConflict,
                 format!("{xid}: {mode} lock on {key} not granted within {bound:?} (held by {holders:?})"),
             ),
+            e @ (LockError::TableFull { .. } | LockError::QueueFull { .. }) => {
+                Failure::new(Status::NoBuffer, format!("{xid}: {e}"))
+            }
+            e @ LockError::Abandoned { .. } => Failure::new(Status::Aborted, format!("{xid}: {e}")),
             other => Failure::new(Status::LockConflict, format!("{xid}: {other}")),
         })
+    }
+
+    /// Refuses an operation whose keys, value or scan exceed the limits.
+    fn check_op(&self, op: &Op) -> Result<(), Failure> {
+        let limits = &self.inner.cfg.limits;
+        let key = |k: &Bytes| {
+            if k.len() > limits.max_key_bytes {
+                Err(Failure::new(
+                    Status::TooLarge,
+                    format!(
+                        "kv: a {}-byte key (at most {})",
+                        k.len(),
+                        limits.max_key_bytes
+                    ),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        match op {
+            Op::Get(k) | Op::Delete(k) | Op::Add(k, _) => key(k),
+            Op::Put(k, v) => {
+                key(k)?;
+                if v.len() > limits.max_value_bytes {
+                    return Err(Failure::new(
+                        Status::TooLarge,
+                        format!(
+                            "kv: a {}-byte value (at most {})",
+                            v.len(),
+                            limits.max_value_bytes
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+            Op::Scan { start, end, limit } => {
+                key(start)?;
+                key(end)?;
+                if *limit > limits.max_scan_rows {
+                    return Err(Failure::new(
+                        Status::BadRequest,
+                        format!(
+                            "kv: a scan of up to {limit} rows (at most {})",
+                            limits.max_scan_rows
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Records a write within the transaction's write-set bound.
+    fn write(&self, xid: &Xid, key: Bytes, value: Option<Bytes>) -> Result<(), Failure> {
+        let limits = &self.inner.cfg.limits;
+        self.inner
+            .store
+            .write()
+            .try_write(
+                xid,
+                key,
+                value,
+                WriteLimits {
+                    max_writes: limits.max_writes,
+                    max_bytes: limits.max_write_bytes,
+                },
+            )
+            .map_err(|e| Failure::new(Status::TooLarge, format!("kv: {e}")))
     }
 
     async fn execute_one(
@@ -226,6 +356,7 @@ impl Kv {
         op: Op,
         deadline: Option<Instant>,
     ) -> Result<Reply, Failure> {
+        self.check_op(&op)?;
         match op {
             Op::Get(key) => {
                 self.lock(xid, &key, LockMode::Shared, deadline).await?;
@@ -233,18 +364,17 @@ impl Kv {
             }
             Op::Put(key, value) => {
                 self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
-                self.inner.store.write().write(xid, key, Some(value));
+                self.write(xid, key, Some(value))?;
                 Ok(Reply::Done)
             }
             Op::Delete(key) => {
                 self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
-                self.inner.store.write().write(xid, key, None);
+                self.write(xid, key, None)?;
                 Ok(Reply::Done)
             }
             Op::Add(key, delta) => {
                 self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
-                let mut store = self.inner.store.write();
-                let current = match store.read(xid, &key) {
+                let current = match self.inner.store.read().read(xid, &key) {
                     None => 0,
                     Some(v) => parse_int(&v).ok_or_else(|| {
                         Failure::new(
@@ -259,7 +389,7 @@ impl Kv {
                 let new = current.checked_add(delta).ok_or_else(|| {
                     Failure::new(Status::BadRequest, format!("{current} + {delta} overflows"))
                 })?;
-                store.write(xid, key, Some(int_value(new)));
+                self.write(xid, key, Some(int_value(new)))?;
                 Ok(Reply::Number(new))
             }
             Op::Scan { start, end, limit } => {

@@ -18,6 +18,66 @@ use crate::api::Write;
 #[derive(Default, Debug)]
 struct Branch {
     writes: BTreeMap<SubPath, HashMap<Bytes, Option<Bytes>>>,
+    /// Entries over every path (a key written at two levels counts twice).
+    entries: usize,
+    /// Key and value bytes of those entries.
+    bytes: usize,
+}
+
+impl Branch {
+    /// Recounts `entries` and `bytes` after paths were merged or dropped.
+    fn recount(&mut self) {
+        self.entries = self.writes.values().map(HashMap::len).sum();
+        self.bytes = self
+            .writes
+            .values()
+            .flat_map(|w| w.iter())
+            .map(|(k, v)| write_bytes(k, v))
+            .sum();
+    }
+}
+
+fn write_bytes(key: &Bytes, value: &Option<Bytes>) -> usize {
+    key.len() + value.as_ref().map_or(0, Bytes::len)
+}
+
+/// Bounds on one live branch's write set: what a transaction may make this
+/// store hold before it commits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteLimits {
+    /// Most keys written (counted once per sub-transaction that wrote them).
+    pub max_writes: usize,
+    /// Most key plus value bytes written.
+    pub max_bytes: usize,
+}
+
+impl WriteLimits {
+    /// No bound.
+    pub const UNBOUNDED: WriteLimits = WriteLimits {
+        max_writes: usize::MAX,
+        max_bytes: usize::MAX,
+    };
+}
+
+/// A write refused because the branch's write set would pass its bound.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WriteSetFull {
+    /// Too many keys.
+    #[error("{tid} would write more than {limit} keys at this node")]
+    Writes {
+        /// The transaction.
+        tid: Tid,
+        /// [`WriteLimits::max_writes`].
+        limit: usize,
+    },
+    /// Too many bytes.
+    #[error("{tid} would write more than {limit} key and value bytes at this node")]
+    Bytes {
+        /// The transaction.
+        tid: Tid,
+        /// [`WriteLimits::max_bytes`].
+        limit: usize,
+    },
 }
 
 /// What a snapshot holds: the committed map and the prepared write sets.
@@ -113,15 +173,65 @@ impl Store {
         Some((writes, lsn))
     }
 
-    /// Records a write (`None`: delete) by `xid`.
+    /// Records a write (`None`: delete) by `xid`, without a bound.
     pub fn write(&mut self, xid: &Xid, key: Bytes, value: Option<Bytes>) {
-        self.live
-            .entry(xid.tid)
-            .or_default()
+        self.try_write(xid, key, value, WriteLimits::UNBOUNDED)
+            .expect("an unbounded write set is never full");
+    }
+
+    /// Records a write (`None`: delete) by `xid` if its branch's write set
+    /// stays within `limits` (overwriting a key the same sub-transaction
+    /// wrote costs only the difference in bytes).
+    ///
+    /// Fails with [`WriteSetFull`], writing nothing.
+    pub fn try_write(
+        &mut self,
+        xid: &Xid,
+        key: Bytes,
+        value: Option<Bytes>,
+        limits: WriteLimits,
+    ) -> Result<(), WriteSetFull> {
+        let branch = self.live.entry(xid.tid).or_default();
+        let old = branch
+            .writes
+            .get(&xid.path)
+            .and_then(|w| w.get(&key))
+            .map(|v| write_bytes(&key, v));
+        let entries = branch.entries + usize::from(old.is_none());
+        let bytes = (branch.bytes - old.unwrap_or(0)).saturating_add(write_bytes(&key, &value));
+        let full = if entries > limits.max_writes {
+            Some(WriteSetFull::Writes {
+                tid: xid.tid,
+                limit: limits.max_writes,
+            })
+        } else if bytes > limits.max_bytes {
+            Some(WriteSetFull::Bytes {
+                tid: xid.tid,
+                limit: limits.max_bytes,
+            })
+        } else {
+            None
+        };
+        if let Some(full) = full {
+            if branch.writes.is_empty() {
+                self.live.remove(&xid.tid);
+            }
+            return Err(full);
+        }
+        branch.entries = entries;
+        branch.bytes = bytes;
+        branch
             .writes
             .entry(xid.path.clone())
             .or_default()
             .insert(key, value);
+        Ok(())
+    }
+
+    /// Live branches: transactions that wrote here and have not prepared,
+    /// committed or aborted yet.
+    pub fn live_branches(&self) -> usize {
+        self.live.len()
     }
 
     /// Keys in `[start, end)` as `xid` sees them, at most `limit`.
@@ -202,6 +312,7 @@ impl Store {
         if committed && !moved.is_empty() {
             branch.writes.entry(parent).or_default().extend(moved);
         }
+        branch.recount();
     }
 
     /// Phase one: the branch's final write set moves to the prepared sets
@@ -523,5 +634,57 @@ mod tests {
         assert_eq!(again.prepared_tids(), vec![tid(1)]);
         assert_eq!(again.prepared_keys(tid(1)), vec![b("k")]);
         assert_eq!(again.oldest_prepared(), Some(1000 + 1));
+    }
+
+    #[test]
+    fn a_write_set_stays_within_its_limits_counting_overwrites_once() {
+        let mut s = Store::new();
+        let limits = WriteLimits {
+            max_writes: 2,
+            max_bytes: 10,
+        };
+        let top = Xid::top(tid(1));
+        let sub = Xid {
+            tid: tid(1),
+            path: SubPath(vec![1]),
+        };
+        s.try_write(&top, b("a"), Some(b("1234")), limits).unwrap();
+        // Overwriting costs the difference only.
+        s.try_write(&top, b("a"), Some(b("12")), limits).unwrap();
+        s.try_write(&top, b("b"), None, limits).unwrap();
+        assert_eq!(
+            s.try_write(&top, b("c"), None, limits),
+            Err(WriteSetFull::Writes {
+                tid: tid(1),
+                limit: 2
+            })
+        );
+        assert_eq!(
+            s.try_write(&top, b("a"), Some(b("123456789")), limits),
+            Err(WriteSetFull::Bytes {
+                tid: tid(1),
+                limit: 10
+            })
+        );
+        assert_eq!(
+            s.read(&top, &b("a")),
+            Some(b("12")),
+            "a refused write writes nothing"
+        );
+        // A key written again by a sub-transaction counts again...
+        s.try_write(&sub, b("b"), None, limits).unwrap_err();
+        // ...until the sub-transaction's writes merge into its parent's.
+        let mut roomy = limits;
+        roomy.max_writes = 3;
+        s.try_write(&sub, b("b"), None, roomy).unwrap();
+        s.sub_ended(tid(1), &SubPath(vec![1]), true);
+        s.try_write(&top, b("a"), None, limits).unwrap();
+        s.abort(tid(1));
+        assert_eq!(s.live_branches(), 0);
+        // A refused first write leaves no empty branch behind.
+        let t2 = Xid::top(tid(2));
+        s.try_write(&t2, b("long-key-past-ten"), None, limits)
+            .unwrap_err();
+        assert_eq!(s.live_branches(), 0);
     }
 }

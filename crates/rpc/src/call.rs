@@ -5,11 +5,15 @@
 //! Owns the mapping between a call and the participant tree: an outgoing call
 //! under T makes the callee a child of this node in T; an incoming one makes
 //! this node a participant of T. Must never hold a lock across a handler or a
-//! transport call.
+//! transport call, nor let a handler's panic escape: a handler runs inline
+//! on the transport's receive path (and, in process, on the caller's own
+//! thread), so a panic is caught where it is polled and answered Internal.
 
 use rustc_hash::FxBuildHasher;
+use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
@@ -478,7 +482,12 @@ impl Rpc {
             .as_ref()
             .and_then(|s| s.participant.clone().map(|p| (p, s.class)));
         let guard = match &req.tx {
-            Some(ctx) => match self.inner.tm.on_call_in(ctx, from, participant).await {
+            Some(ctx) => match self
+                .inner
+                .tm
+                .on_call_in(ctx, from, participant.clone())
+                .await
+            {
                 Ok(g) => Some(g),
                 Err(f) => return Response::failure(0, f),
             },
@@ -503,7 +512,7 @@ impl Rpc {
                 tx: req.tx.map(|ctx| *ctx),
                 deadline,
             };
-            let fut = service.handler.call(ctx, req.payload);
+            let fut = run_handler(service, ctx, req.payload);
             match deadline {
                 Some(d) => tokio::time::timeout_at(d.into(), fut)
                     .await
@@ -511,10 +520,24 @@ impl Rpc {
                 None => fut.await,
             }
         };
+        let aborted = guard.as_ref().is_some_and(|g| g.aborted());
+        if let (true, Some(tid), Some((participant, class))) = (aborted, tid, &participant) {
+            // The transaction aborted here while the handler ran: the abort
+            // reached the participant before the handler's last effects (a
+            // lock taken, a write made after it), which nothing would ever
+            // undo. Told again now that the handler is done, it drops them.
+            match class {
+                ParticipationClass::TwoPhase => participant.abort(tid).await,
+                ParticipationClass::OnePhase => {
+                    participant.ended(tid, weft_tx::Outcome::Aborted).await
+                }
+                ParticipationClass::NoState => {}
+            }
+        }
         let tx_return = tid.map(|t| {
             Box::new(TxReturn {
                 baggage: self.inner.tm.baggage(t).unwrap_or_default(),
-                aborted: guard.as_ref().is_some_and(|g| g.aborted()),
+                aborted,
             })
         });
         drop(guard);
@@ -581,9 +604,9 @@ impl Rpc {
             tx: None,
             deadline,
         };
-        let mut fut = service.handler.call(ctx, req.payload);
+        let mut fut = run_handler(service, ctx, req.payload);
         let mut cx = Context::from_waker(futures::task::noop_waker_ref());
-        if let Poll::Ready(result) = fut.as_mut().poll(&mut cx) {
+        if let Poll::Ready(result) = Pin::new(&mut fut).poll(&mut cx) {
             responder.respond(plain_response(result));
             return;
         }
@@ -616,6 +639,81 @@ fn plain_response(result: Result<Payload, Failure>) -> Response {
         },
         Err(f) => Response::failure(0, f),
     }
+}
+
+/// Starts `service`'s handler on a call, with its panics caught: one that
+/// panics before it returns its future, or while it is polled, ends the call
+/// with Internal instead of unwinding through the transport (or, in process,
+/// through the caller).
+fn run_handler(service: Arc<Service>, ctx: CallContext, payload: Payload) -> CatchPanic {
+    let fut = catch_unwind(AssertUnwindSafe(|| service.handler.call(ctx, payload)));
+    match fut {
+        Ok(fut) => CatchPanic {
+            fut: Some(fut),
+            service,
+        },
+        Err(panic) => {
+            let failure = handler_panicked(&service, panic);
+            CatchPanic {
+                fut: Some(Box::pin(std::future::ready(Err(failure)))),
+                service,
+            }
+        }
+    }
+}
+
+/// A handler's future whose panics become an Internal failure. Polled again
+/// after it panicked (or finished) it answers Internal rather than touching
+/// a future left in an unknown state.
+struct CatchPanic {
+    fut: Option<BoxFuture<'static, Result<Payload, Failure>>>,
+    service: Arc<Service>,
+}
+
+impl Future for CatchPanic {
+    type Output = Result<Payload, Failure>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(fut) = self.fut.as_mut() else {
+            return Poll::Ready(Err(Failure::new(
+                Status::Internal,
+                format!(
+                    "the handler of {} was polled after it ended",
+                    self.service.name
+                ),
+            )));
+        };
+        match catch_unwind(AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(result)) => {
+                self.fut = None;
+                Poll::Ready(result)
+            }
+            Err(panic) => {
+                // Its locals were dropped by the unwind; a drop that panics
+                // again is caught too.
+                let fut = self.fut.take();
+                let _ = catch_unwind(AssertUnwindSafe(move || drop(fut)));
+                Poll::Ready(Err(handler_panicked(&self.service, panic)))
+            }
+        }
+    }
+}
+
+fn handler_panicked(service: &Service, panic: Box<dyn Any + Send>) -> Failure {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string payload".to_string());
+    tracing::error!(service = %service.name, instance = service.instance, panic = %what, "a service handler panicked");
+    Failure::new(
+        Status::Internal,
+        format!(
+            "the handler of {}.{} panicked: {what}",
+            service.name, service.instance
+        ),
+    )
 }
 
 fn handler_timed_out() -> Failure {

@@ -17,7 +17,8 @@ use crate::call::CallContext;
 pub trait Handler: Send + Sync + 'static {
     /// Serves one call. Returns the response payload, or a failure whose
     /// status travels back to the caller (AppError for application-level
-    /// errors, BadRequest for undecodable requests...).
+    /// errors, BadRequest for undecodable requests...). A handler that
+    /// panics, before or while its future runs, is answered Internal.
     fn call(
         &self,
         ctx: CallContext,

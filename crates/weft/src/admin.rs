@@ -19,6 +19,14 @@ pub const STATUS_SERVICE: &str = "_status";
 /// Name of the transaction administration service.
 pub const TX_SERVICE: &str = "_tx";
 
+/// Longest life a `_tx` Begin may ask for: a transaction a client forgets
+/// still ends (aborts) within it. Longer: BadRequest.
+pub const MAX_TX_TIMEOUT_MS: u64 = 3_600_000;
+
+/// Longest reason a `_tx` Abort may give (it is remembered with the
+/// outcome). Longer: BadRequest.
+pub const MAX_ABORT_REASON: usize = 1024;
+
 /// What `_status` returns.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StatusReport {
@@ -133,10 +141,23 @@ async fn tx_admin(node: &Node, req: TxRequest) -> Result<TxReply, Failure> {
     let tm = node.tm();
     match req {
         TxRequest::Begin { timeout_ms } => {
+            if let Some(ms) = timeout_ms.filter(|ms| *ms > MAX_TX_TIMEOUT_MS) {
+                return Err(Failure::new(
+                    Status::BadRequest,
+                    format!("a transaction of {ms} ms (at most {MAX_TX_TIMEOUT_MS})"),
+                ));
+            }
             let ctx = tm.begin(timeout_ms.map(std::time::Duration::from_millis));
             Ok(TxReply::Begun(ctx))
         }
         TxRequest::Commit(tid) => tm.commit(tid).await.map(|()| TxReply::Done),
+        TxRequest::Abort(_, reason) if reason.len() > MAX_ABORT_REASON => Err(Failure::new(
+            Status::BadRequest,
+            format!(
+                "an abort reason of {} bytes (at most {MAX_ABORT_REASON})",
+                reason.len()
+            ),
+        )),
         TxRequest::Abort(tid, reason) => tm.abort(tid, &reason).await.map(|()| TxReply::Done),
         TxRequest::Status(tid) => {
             let live = tm.status(tid);
