@@ -482,12 +482,7 @@ impl Rpc {
             .as_ref()
             .and_then(|s| s.participant.clone().map(|p| (p, s.class)));
         let guard = match &req.tx {
-            Some(ctx) => match self
-                .inner
-                .tm
-                .on_call_in(ctx, from, participant.clone())
-                .await
-            {
+            Some(ctx) => match self.inner.tm.on_call_in(ctx, from, participant).await {
                 Ok(g) => Some(g),
                 Err(f) => return Response::failure(0, f),
             },
@@ -521,19 +516,6 @@ impl Rpc {
             }
         };
         let aborted = guard.as_ref().is_some_and(|g| g.aborted());
-        if let (true, Some(tid), Some((participant, class))) = (aborted, tid, &participant) {
-            // The transaction aborted here while the handler ran: the abort
-            // reached the participant before the handler's last effects (a
-            // lock taken, a write made after it), which nothing would ever
-            // undo. Told again now that the handler is done, it drops them.
-            match class {
-                ParticipationClass::TwoPhase => participant.abort(tid).await,
-                ParticipationClass::OnePhase => {
-                    participant.ended(tid, weft_tx::Outcome::Aborted).await
-                }
-                ParticipationClass::NoState => {}
-            }
-        }
         let tx_return = tid.map(|t| {
             Box::new(TxReturn {
                 baggage: self.inner.tm.baggage(t).unwrap_or_default(),

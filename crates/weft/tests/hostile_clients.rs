@@ -552,13 +552,11 @@ async fn tx_admin_refuses_endless_transactions_and_huge_reasons() {
 }
 
 /// `TxManager::commit` of a transaction its coordinator never began (or has
-/// forgotten) locks the node's tombstones twice (`ended_result` calls
-/// `unknown` while its guard lives) and parking_lot does not re-enter: the
-/// calling thread (in process, the client's own) blocks for good and so
-/// does every later use of the tombstones at that node. In crates/tx,
-/// outside this branch's area: reported, to be fixed there.
+/// forgotten) used to lock the node's tombstones twice (`ended_result`
+/// called `unknown` while its guard lived) and parking_lot does not
+/// re-enter: the node froze for good (issue 16 item 1). It must answer
+/// NoSuchTransaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "tx: TxManager::ended_result deadlocks on the tombstones (reported)"]
 async fn tx_admin_commit_of_an_unknown_transaction_answers_no_such_transaction() {
     let c = Cluster::start(2, 1610).await;
     let unknown = Tid {
