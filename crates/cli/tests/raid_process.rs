@@ -65,17 +65,29 @@ impl Site {
         }
         let mut child = cmd
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("weft raid site starts");
         let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
         let (tx, rx) = mpsc::channel();
+        let tx_err = tx.clone();
         std::thread::spawn(move || {
             use std::io::BufRead;
             // Keep draining so the site never blocks on a full pipe.
             for line in std::io::BufReader::new(stdout).lines() {
                 let Ok(line) = line else { return };
                 let _ = tx.send(line);
+            }
+        });
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            // Its log still shows in the test's output, and its lines can
+            // be waited for like the ready line.
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { return };
+                eprintln!("{line}");
+                let _ = tx_err.send(line);
             }
         });
         Site {
@@ -85,7 +97,8 @@ impl Site {
         }
     }
 
-    /// Waits (bounded) for a stdout line containing `needle`.
+    /// Waits (bounded) for a line of its stdout or stderr containing
+    /// `needle`.
     fn wait_line(&self, needle: &str, limit: Duration) -> String {
         let deadline = Instant::now() + limit;
         loop {
@@ -872,7 +885,9 @@ fn clients_ride_out_restarts_and_audits_name_every_copy() {
     let data = |id| data_dir(c.dir.path(), id);
     let s3 = Site::spawn(3, c.addr(3), Some(&joins), &data(3), &[]);
     let s2 = Site::spawn(2, c.addr(2), Some(c.addr(1)), &data(2), &[]);
-    std::thread::sleep(Duration::from_millis(500)); // let both find nobody
+    // Site 2 finds nobody (site 1, its one member, is down) and goes on
+    // trying; site 3, started before it, meanwhile tries 2 and 1.
+    s2.wait_line("no --join member answers yet", Duration::from_secs(30));
     c.launch(1, &[]);
     for s in [s2, s3] {
         s.wait_line(" listening on ", Duration::from_secs(30));

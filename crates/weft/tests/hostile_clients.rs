@@ -47,7 +47,9 @@ fn install_panickers(c: &Cluster) {
             "boom_later",
             ServiceOptions::no_state(),
             |_ctx, n: u32| async move {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                // Pending once: the panic comes at a later poll, from the
+                // task the handler was spawned into.
+                tokio::task::yield_now().await;
                 if n > 0 {
                     panic!("boom later {n}");
                 }
