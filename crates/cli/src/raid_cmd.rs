@@ -315,18 +315,7 @@ pub async fn run_remote(
                     (Some(acks), _, Err(f)) => acks.failed(id, f),
                     _ => {}
                 }
-                r.map(|r| r.0).map_err(|f| match f.status {
-                    // Reconnected to a site still starting: its process is
-                    // up, its Raid services not yet.
-                    Status::NoSuchService => Failure::new(
-                        Status::ProcDead,
-                        format!(
-                            "site {id} does not serve its action driver yet: {}",
-                            f.detail
-                        ),
-                    ),
-                    _ => f,
-                })
+                r.map(|r| r.0)
             }
         });
     }

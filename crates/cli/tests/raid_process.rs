@@ -781,8 +781,8 @@ fn clients_ride_out_restarts_and_audits_name_every_copy() {
     );
     let v = report("run across site 3's restart", &d);
     assert!(count(&v, "committed") > 0, "{v}");
-    // A client back on site 3 before its Raid services are: ProcDead, as
-    // for any copy not served, not NoSuchService.
+    // A restarted site is reachable only once its Raid services are
+    // registered: a client back on it never sees NoSuchService.
     assert!(v["aborts"].get("NoSuchService").is_none(), "{v}");
     // Without a terminal, a progress line every few seconds on stderr.
     let progress: Vec<&str> = d
