@@ -73,18 +73,27 @@ pub struct AckLine {
     pub req: AdRequest,
 }
 
-/// Adds the history service to a running site.
-///
-/// Fails like `Node::register`.
-pub fn serve_history(node: &weft::Node, site: RaidSite) -> Result<(), Failure> {
-    node.register(
-        HISTORY_SERVICE,
-        ServiceOptions::no_state(),
-        move |_ctx, page: HistoryPage| {
-            let site = site.clone();
-            async move { Ok(history_page(&site, &page)) }
-        },
-    )
+/// The history service of a site, registered with the site's other
+/// services before the node becomes reachable (a plugin, like the site).
+pub struct HistoryService(pub RaidSite);
+
+impl weft::Plugin for HistoryService {
+    fn name(&self) -> &str {
+        HISTORY_SERVICE
+    }
+
+    /// Fails like `Rpc::register`.
+    fn serve(&self, rpc: &weft::Rpc) -> Result<(), Failure> {
+        let site = self.0.clone();
+        rpc.register(
+            HISTORY_SERVICE,
+            ServiceOptions::no_state(),
+            move |_ctx, page: HistoryPage| {
+                let site = site.clone();
+                async move { Ok(history_page(&site, &page)) }
+            },
+        )
+    }
 }
 
 fn history_page(site: &RaidSite, page: &HistoryPage) -> Vec<(u64, HistoryRow)> {

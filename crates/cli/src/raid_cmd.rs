@@ -455,9 +455,11 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
                 action_timeout,
                 ..SiteConfig::default()
             });
-            let b = node.builder()?.plugin(Arc::new(site.clone()));
+            let b = node
+                .builder()?
+                .plugin(Arc::new(site.clone()))
+                .plugin(Arc::new(crate::raid_acks::HistoryService(site)));
             let n = node.start(b).await?;
-            crate::raid_acks::serve_history(&n, site)?;
             announce(&n);
             wait_for_signal().await;
             n.shutdown().await;
