@@ -132,13 +132,17 @@ fn phase_at(node: &Node, tid: Tid) -> Option<String> {
     node.tm().status(tid).map(|s| s.phase)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_writers_abort_reaches_the_dependent_whose_vote_named_it_at_once() {
-    let s = sites(2).await;
-    let (n1, n2) = (&s.nodes[0], &s.nodes[1]);
-
-    // T1 writes branch 1 at site 2, then aborts once site 2 prepared: its
-    // coordinator's own resource votes No when the test lets it.
+/// T1, begun at `n1`, writes branch 1 at site 2 and commits; it is held
+/// once site 2 (`n2`) prepared it, until the test opens its coordinator's
+/// refusing resource, which then votes No.
+async fn writer_held_at_its_vote(
+    n1: &Node,
+    n2: &Node,
+) -> (
+    Arc<Refuser>,
+    Tid,
+    tokio::task::JoinHandle<Result<(), weft::Failure>>,
+) {
     let refuser = Arc::new(Refuser::default());
     let t1 = n1.begin();
     let t1_id = t1.tid();
@@ -150,6 +154,17 @@ async fn a_writers_abort_reaches_the_dependent_whose_vote_named_it_at_once() {
         phase_at(n2, t1_id).as_deref() == Some("prepared")
     })
     .await;
+    (refuser, t1_id, t1_commit)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writers_abort_reaches_the_dependent_whose_vote_named_it_at_once() {
+    let s = sites(2).await;
+    let (n1, n2) = (&s.nodes[0], &s.nodes[1]);
+
+    // T1 writes branch 1 at site 2, then aborts once site 2 prepared: its
+    // coordinator's own resource votes No when the test lets it.
+    let (refuser, t1_id, t1_commit) = writer_held_at_its_vote(n1, n2).await;
 
     // T2 locks branch 1 at site 2 over the prepared T1 (controlled lock
     // violation) and votes naming T1.
@@ -192,17 +207,7 @@ async fn after_a_writers_abort_a_new_writer_of_its_item_commits_whatever_used_it
 
     // T1 prepared at site 2 with branch 1; T2 used its write and prepared
     // too; T1's coordinator has not decided yet.
-    let refuser = Arc::new(Refuser::default());
-    let t1 = n1.begin();
-    let t1_id = t1.tid();
-    let _: SiteReply = t1.call(&site(2), write(branch(1), 1)).await.unwrap();
-    n1.tm().enlist(t1_id, refuser.clone()).unwrap();
-    let t1_commit = tokio::spawn(t1.commit());
-    refuser.entered.notified().await;
-    eventually("T1 prepared at site 2", || {
-        phase_at(n2, t1_id).as_deref() == Some("prepared")
-    })
-    .await;
+    let (refuser, t1_id, t1_commit) = writer_held_at_its_vote(n1, n2).await;
     // T2's coordinator is site 2 itself this time, so its vote is held
     // there (not named to site 1) and its own abort is local.
     let t2 = n2.begin();
