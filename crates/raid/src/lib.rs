@@ -27,5 +27,5 @@ pub use cluster::{ClusterOptions, Counters, RaidCluster};
 pub use load::{LoadReply, LoadRequest};
 pub use rc::Replicas;
 pub use schema::{Item, Relation, Sizes};
-pub use site::{RaidSite, SiteConfig, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE, SITE_SERVICE};
+pub use site::{Bookkeeping, CheckpointStats, RaidSite, SiteConfig, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE, SITE_SERVICE};
 pub use workload::{run_closed, Mode, RunReport, Workload};

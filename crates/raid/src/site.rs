@@ -108,6 +108,33 @@ struct Inner {
     /// The copy's placement, once read from the loaded copy (it never
     /// changes after the load).
     placement: OnceLock<Vec<NodeId>>,
+    /// How long the store's checkpoints took (counters only).
+    checkpoints: parking_lot::Mutex<CheckpointStats>,
+}
+
+/// What a site keeps, counted (see [`RaidSite::bookkeeping`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bookkeeping {
+    /// Committed keys of the copy, history rows and markers included.
+    pub store_keys: usize,
+    /// Shipped-request markers in the copy.
+    pub markers: usize,
+}
+
+/// The checkpoints of a site's store: how many ran and how long they took
+/// (counters, not a list: their size never grows).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    /// Checkpoints that completed.
+    pub count: u64,
+    /// Checkpoints that failed.
+    pub failed: u64,
+    /// Duration of the last one, microseconds.
+    pub last_us: u64,
+    /// Longest one, microseconds.
+    pub max_us: u64,
+    /// Sum of their durations, microseconds.
+    pub total_us: u64,
 }
 
 /// A Raid site, installed in a weft node as a plugin.
@@ -206,6 +233,7 @@ impl RaidSite {
                 kv_participant,
                 rpc: OnceLock::new(),
                 placement: OnceLock::new(),
+                checkpoints: parking_lot::Mutex::new(CheckpointStats::default()),
             }),
         }
     }
@@ -225,6 +253,24 @@ impl RaidSite {
     /// The site's store (for audits and tests).
     pub fn store(&self) -> &Kv {
         &self.inner.kv
+    }
+
+    /// How the store's checkpoints went so far.
+    pub fn checkpoint_stats(&self) -> CheckpointStats {
+        *self.inner.checkpoints.lock()
+    }
+
+    /// What the site keeps now, for soak tests: committed keys (history
+    /// rows included) and shipped-request markers.
+    pub fn bookkeeping(&self) -> Bookkeeping {
+        Bookkeeping {
+            store_keys: self.inner.kv.stats().keys,
+            markers: self
+                .inner
+                .kv
+                .committed_with_prefix(&[Relation::Request.prefix()])
+                .len(),
+        }
     }
 
     /// Lock waits and conflicts seen by the CC.
@@ -480,7 +526,19 @@ impl Plugin for RaidSite {
     }
 
     fn checkpoint(&self, log: &Log) -> Result<Option<Lsn>, Failure> {
-        self.inner.kv.checkpoint(log)
+        let start = Instant::now();
+        let r = self.inner.kv.checkpoint(log);
+        let us = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let mut st = self.inner.checkpoints.lock();
+        if r.is_ok() {
+            st.count += 1;
+            st.last_us = us;
+            st.max_us = st.max_us.max(us);
+            st.total_us = st.total_us.saturating_add(us);
+        } else {
+            st.failed += 1;
+        }
+        r
     }
 }
 
