@@ -164,12 +164,7 @@ pub struct Ad {
 }
 
 impl Ad {
-    pub(crate) fn new(
-        rpc: Rpc,
-        replicas: Replicas,
-        cfg: SiteConfig,
-        site: Option<RaidSite>,
-    ) -> Ad {
+    pub(crate) fn new(rpc: Rpc, replicas: Replicas, cfg: SiteConfig, site: Option<RaidSite>) -> Ad {
         Ad {
             rpc,
             replicas,
@@ -230,7 +225,10 @@ impl Ad {
                     {
                         return Err(Failure::new(
                             Status::InDoubt,
-                            format!("request {:016x} shipped to {primary}: {}", shipped.id, f.detail),
+                            format!(
+                                "request {:016x} shipped to {primary}: {}",
+                                shipped.id, f.detail
+                            ),
                         ))
                     }
                     Ok(ShippedReply::Done(result)) => return result,

@@ -29,5 +29,8 @@ pub use load::{LoadReply, LoadRequest};
 pub use marker::MarkerLimits;
 pub use rc::Replicas;
 pub use schema::{Item, Relation, Sizes};
-pub use site::{Bookkeeping, CheckpointStats, RaidSite, SiteConfig, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE, SITE_SERVICE};
+pub use site::{
+    Bookkeeping, CheckpointStats, RaidSite, SiteConfig, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE,
+    SITE_SERVICE,
+};
 pub use workload::{run_closed, Mode, RunReport, Workload};

@@ -307,7 +307,10 @@ mod tests {
     #[test]
     fn markers_round_trip_and_reject_garbage() {
         assert_eq!(decode(&encode(-42, 7)), Some((-42, 7)));
-        assert_eq!(decode(&encode(i64::MIN, u64::MAX)), Some((i64::MIN, u64::MAX)));
+        assert_eq!(
+            decode(&encode(i64::MIN, u64::MAX)),
+            Some((i64::MIN, u64::MAX))
+        );
         assert_eq!(decode(b"short"), None);
         assert_eq!(decode(&[0u8; 100]), None, "a balance tuple is no marker");
     }

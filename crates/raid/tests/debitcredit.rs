@@ -359,7 +359,11 @@ async fn a_repeat_after_its_marker_was_reclaimed_is_refused_not_run_twice() {
     }
     .kv_key();
     assert!(c.sites.iter().all(|s| s.store().committed(&key).is_some()));
-    assert_eq!(c.sites[0].bookkeeping().markers, 1, "indexed at the first copy");
+    assert_eq!(
+        c.sites[0].bookkeeping().markers,
+        1,
+        "indexed at the first copy"
+    );
     assert_eq!(c.sites[1].bookkeeping().markers, 0, "and only there");
     // Not due before the retention has passed.
     assert_eq!(c.sites[0].reclaim_due_at(now).await.unwrap(), 0);

@@ -133,6 +133,12 @@ pub struct Figures {
     pub tps_first_min: f64,
     /// Mean tps over the last minute (the whole run when shorter).
     pub tps_last_min: f64,
+    /// Lowest RSS of the samples within 30 s of the 2-minute mark (of the
+    /// whole run when shorter): memory between checkpoints, whose image
+    /// copy of the in-memory store swings RSS by the store's size.
+    pub rss_floor_mib_at_2min: f64,
+    /// Lowest RSS of the samples of the last minute.
+    pub rss_floor_mib_end: f64,
 }
 
 /// Computes the figures; `None` without at least two samples.
@@ -142,13 +148,7 @@ pub fn figures(samples: &[Sample]) -> Option<Figures> {
         return None;
     }
     let at_or_after = |t: f64| samples.iter().find(|s| s.t_s >= t).unwrap_or(last);
-    let at_or_before = |t: f64| {
-        samples
-            .iter()
-            .rev()
-            .find(|s| s.t_s <= t)
-            .unwrap_or(first)
-    };
+    let at_or_before = |t: f64| samples.iter().rev().find(|s| s.t_s <= t).unwrap_or(first);
     let rate = |a: &Sample, b: &Sample| {
         if b.t_s > a.t_s {
             (b.committed - a.committed) as f64 / (b.t_s - a.t_s)
@@ -156,6 +156,14 @@ pub fn figures(samples: &[Sample]) -> Option<Figures> {
             0.0
         }
     };
+    let floor = |from: f64, to: f64| {
+        samples
+            .iter()
+            .filter(|s| s.t_s >= from && s.t_s <= to)
+            .map(|s| s.rss_mib)
+            .fold(f64::INFINITY, f64::min)
+    };
+    let two = at_or_after(first.t_s + 120.0).t_s;
     let minute_in = at_or_after(first.t_s + 60.0);
     let minute_out = at_or_before(last.t_s - 60.0);
     Some(Figures {
@@ -163,6 +171,8 @@ pub fn figures(samples: &[Sample]) -> Option<Figures> {
         rss_mib_end: last.rss_mib,
         tps_first_min: r2(rate(first, minute_in)),
         tps_last_min: r2(rate(minute_out, last)),
+        rss_floor_mib_at_2min: floor(two - 30.0, two + 30.0),
+        rss_floor_mib_end: floor(last.t_s - 60.0, last.t_s),
     })
 }
 
@@ -260,8 +270,8 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         report.committed, report.duration_s, report.tps, report.attempts
     );
     println!(
-        "  RSS at 2 min {:.1} MiB, at the end {:.1} MiB; tps first minute {:.0}, last minute {:.0}; longest checkpoint {:.1} ms",
-        f.rss_mib_at_2min, f.rss_mib_end, f.tps_first_min, f.tps_last_min, checkpoint_ms_max
+        "  RSS at 2 min {:.1} MiB, at the end {:.1} MiB (lowest around 2 min {:.1}, in the last minute {:.1}); tps first minute {:.0}, last minute {:.0}; longest checkpoint {:.1} ms",
+        f.rss_mib_at_2min, f.rss_mib_end, f.rss_floor_mib_at_2min, f.rss_floor_mib_end, f.tps_first_min, f.tps_last_min, checkpoint_ms_max
     );
     println!(
         "  audit: {}",
@@ -298,6 +308,8 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         "rss_mib_at_2min": f.rss_mib_at_2min,
         "rss_mib_end": f.rss_mib_end,
         "rss_growth_mib": r2(f.rss_mib_end - f.rss_mib_at_2min),
+        "rss_floor_mib_at_2min": f.rss_floor_mib_at_2min,
+        "rss_floor_mib_end": f.rss_floor_mib_end,
         "tps_first_min": f.tps_first_min,
         "tps_last_min": f.tps_last_min,
         "tps_last_over_first": if f.tps_first_min > 0.0 { r2(f.tps_last_min / f.tps_first_min) } else { 0.0 },
@@ -317,6 +329,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One panel of the plot: its label, colour and what it shows of a sample.
+type Panel = (&'static str, plotters::style::RGBColor, fn(&Sample) -> f64);
+
 /// Draws RSS, tps and the longest checkpoint so far against time, one panel
 /// each.
 fn plot(path: &Path, samples: &[Sample], args: &SoakArgs) -> anyhow::Result<()> {
@@ -333,7 +348,7 @@ fn plot(path: &Path, samples: &[Sample], args: &SoakArgs) -> anyhow::Result<()> 
         .context("drawing the title")?;
     let panels = root.split_evenly((3, 1));
     let t_max = samples.last().map_or(1.0, |s| s.t_s).max(1.0);
-    let series: [(&str, RGBColor, fn(&Sample) -> f64); 3] = [
+    let series: [Panel; 3]= [
         ("RSS (MiB)", RGBColor(52, 101, 164), |s| s.rss_mib),
         ("committed tps", RGBColor(78, 154, 6), |s| s.tps),
         ("longest checkpoint so far (ms)", RGBColor(204, 0, 0), |s| {
@@ -357,7 +372,11 @@ fn plot(path: &Path, samples: &[Sample], args: &SoakArgs) -> anyhow::Result<()> 
             .context("drawing the axes")?;
         chart
             .draw_series(LineSeries::new(
-                samples.iter().map(|s| (s.t_s, f(s))),
+                // The first sample has no rate yet.
+                samples
+                    .iter()
+                    .skip(usize::from(label == "committed tps"))
+                    .map(|s| (s.t_s, f(s))),
                 color.stroke_width(2),
             ))
             .context("drawing a line")?;
@@ -404,6 +423,8 @@ mod tests {
         assert_eq!(f.rss_mib_end, 200.0);
         assert_eq!(f.tps_first_min, 100.0);
         assert_eq!(f.tps_last_min, 50.0);
+        assert_eq!(f.rss_floor_mib_at_2min, 130.0, "samples at 90..150 s");
+        assert_eq!(f.rss_floor_mib_end, 180.0, "samples at 240..300 s");
     }
 
     #[test]
