@@ -101,6 +101,9 @@ pub struct SiteConfig {
     /// [`crate::marker`]). A retention shorter than the shipping AD's retry
     /// window (`tx_timeout` + 2 s) is raised to it.
     pub markers: MarkerLimits,
+    /// Most prepared writers in controlled lock violation at once (see
+    /// [`crate::violation`]); one more keeps its locks until its outcome.
+    pub max_prepared_writers: usize,
 }
 
 impl Default for SiteConfig {
@@ -109,6 +112,7 @@ impl Default for SiteConfig {
             action_timeout: Duration::from_secs(1),
             tx_timeout: Duration::from_secs(10),
             markers: MarkerLimits::default(),
+            max_prepared_writers: crate::violation::DEFAULT_MAX_WRITERS,
         }
     }
 }
@@ -256,7 +260,7 @@ impl RaidSite {
         limits.retention = limits.retention.max(cfg.retry_window());
         RaidSite {
             inner: Arc::new(Inner {
-                cc: Cc::new(cfg.action_timeout),
+                cc: Cc::with_limits(cfg.action_timeout, cfg.max_prepared_writers),
                 cfg,
                 kv,
                 participant: OnceLock::new(),

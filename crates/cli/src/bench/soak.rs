@@ -348,7 +348,7 @@ fn plot(path: &Path, samples: &[Sample], args: &SoakArgs) -> anyhow::Result<()> 
         .context("drawing the title")?;
     let panels = root.split_evenly((3, 1));
     let t_max = samples.last().map_or(1.0, |s| s.t_s).max(1.0);
-    let series: [Panel; 3]= [
+    let series: [Panel; 3] = [
         ("RSS (MiB)", RGBColor(52, 101, 164), |s| s.rss_mib),
         ("committed tps", RGBColor(78, 154, 6), |s| s.tps),
         ("longest checkpoint so far (ms)", RGBColor(204, 0, 0), |s| {
