@@ -414,3 +414,59 @@ async fn a_repeat_after_its_marker_was_reclaimed_is_refused_not_run_twice() {
     settle_and_audit(&c, "after a refused repeat").await;
     assert_eq!(history_rows(&c), rows + 2, "two requests ran, once each");
 }
+
+/// Issue 23: under load, the first copy's background task reclaims the
+/// markers of shipped requests once their retention has passed, from every
+/// copy; only the horizon record is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn markers_of_a_run_are_reclaimed_in_the_background_from_every_copy() {
+    let opts = ClusterOptions {
+        site: SiteConfig {
+            // Retention: the retry window, 1 s + 2 s.
+            tx_timeout: Duration::from_secs(1),
+            markers: MarkerLimits {
+                retention: Duration::ZERO,
+                reclaim_every: Duration::from_millis(100),
+                ..MarkerLimits::default()
+            },
+            ..SiteConfig::default()
+        },
+        ..ClusterOptions::default()
+    };
+    let c = cluster(3, opts).await;
+    c.load(small()).await.unwrap();
+    let r = run(&c, Mode::Tpcb, small(), 6, 1.5, 23).await;
+    assert!(r.committed > 10, "{r:?}");
+    let markers = |site: usize| {
+        c.sites[site]
+            .store()
+            .committed_with_prefix(b"r")
+            .into_iter()
+            .filter(|(k, _)| k[1..] != [0u8; 8])
+            .count()
+    };
+    assert!(markers(0) > 0, "sites 2 and 3 shipped their writes");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while (0..3).any(|s| markers(s) > 0) || c.sites[0].bookkeeping().markers > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "markers left: {:?}, indexed {}",
+            (0..3).map(markers).collect::<Vec<_>>(),
+            c.sites[0].bookkeeping().markers
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let horizon = c.sites[0].markers().horizon();
+    assert!(horizon > 0);
+    for s in &c.sites {
+        let stored = s.store().committed(&[b'r', 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            stored
+                .and_then(|v| weft_raid::marker::decode(&v))
+                .map(|(_, t)| t),
+            Some(horizon),
+            "every copy stores the horizon"
+        );
+    }
+    settle_and_audit(&c, "after reclamation").await;
+}
