@@ -388,7 +388,7 @@ impl Ad {
     async fn admit_and_claim(&self, site: &RaidSite, shipped: &Shipped) -> Claimed {
         site.ensure_markers_scanned();
         let markers = site.markers();
-        let _gate = markers.admission().await;
+        let gate = markers.admission().await;
         if let Err(f) = markers.admit(shipped.id, shipped.sent_ms) {
             return Claimed::Settled(ShippedReply::Done(Err(f)));
         }
@@ -397,7 +397,7 @@ impl Ad {
             key: shipped.id,
         };
         let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
-        self.claim(tx, marker, shipped.id).await
+        self.claim(tx, marker, shipped.id, gate).await
     }
 
     /// Deletes a batch of reclaimed markers from every copy and stores the
@@ -436,12 +436,17 @@ impl Ad {
     /// Claims a shipped request's marker at the first copy within `tx`.
     /// `Fresh` when no run committed (the caller holds the marker's lock);
     /// otherwise the answer to give, and `tx` is finished.
-    async fn claim(&self, tx: Transaction, marker: Item, id: u64) -> Claimed {
+    ///
+    /// `gate` (the admission guard) is released once the marker is locked:
+    /// a horizon raise then cannot slip between the admission and the
+    /// claim, and does not wait for the rest of this run.
+    async fn claim<G>(&self, tx: Transaction, marker: Item, id: u64, gate: G) -> Claimed {
         let first = self.replicas.first();
-        match self
+        let claimed = self
             .call_site(&tx, first, vec![SiteOp::Claim(marker)])
-            .await
-        {
+            .await;
+        drop(gate);
+        match claimed {
             Ok(a) if a.first() == Some(&1) => {
                 // Ran before: its answer, once that run's outcome is known
                 // here (committing this read waits for it).
