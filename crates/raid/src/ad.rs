@@ -19,6 +19,12 @@
 //! marker saying so, so that an earlier copy still on its way cannot run
 //! after the client was told it failed.
 //!
+//! Markers do not last forever: the first copy reclaims a marker once no
+//! repeat of its request can arrive any more (see [`crate::marker`]), and
+//! refuses with Refused a request sent at or before the reclaimed
+//! horizon; the shipping AD then tells its client InDoubt (an earlier run
+//! may have committed), never that it failed.
+//!
 //! Owns the shape of a DebitCredit transaction. Must never write fewer than
 //! all copies, and must abort what it cannot finish (so no history row is
 //! left behind by a failed attempt).
@@ -29,10 +35,12 @@ use serde::{Deserialize, Serialize};
 use weft_rpc::{Rpc, Transaction};
 use weft_wire::{Address, Failure, NodeId, Payload, Status};
 
+use crate::marker::{self, Batch, HORIZON_KEY};
 use crate::rc::Replicas;
-use crate::schema::tuple;
 use crate::schema::{HistoryRow, Item, Relation};
-use crate::site::{SiteConfig, SiteOp, SiteReply, SiteRequest, AD_HERE_SERVICE, SITE_SERVICE};
+use crate::site::{
+    RaidSite, SiteConfig, SiteOp, SiteReply, SiteRequest, AD_HERE_SERVICE, SITE_SERVICE,
+};
 
 /// One action of a Raid-mode transaction.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -82,8 +90,13 @@ impl AdRequest {
 /// repeat of it harmless.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shipped {
-    /// Chosen at random by the shipping AD; the same for every repeat.
+    /// Chosen at random by the shipping AD (never 0); the same for every
+    /// repeat.
     pub id: u64,
+    /// When the shipping AD first sent it, ms since the Unix epoch by its
+    /// clock; the same for every repeat. Decides when its marker may be
+    /// reclaimed (see [`crate::marker`]).
+    pub sent_ms: u64,
     /// 0 for the first sending, then 1, 2, ... for repeats.
     pub attempt: u32,
     /// The sites holding a copy, as the shipping AD's placement names
@@ -146,11 +159,18 @@ pub struct Ad {
     rpc: Rpc,
     replicas: Replicas,
     cfg: SiteConfig,
+    /// The site it runs at, whose marker index shipped requests use.
+    site: Option<RaidSite>,
 }
 
 impl Ad {
-    pub(crate) fn new(rpc: Rpc, replicas: Replicas, cfg: SiteConfig) -> Ad {
-        Ad { rpc, replicas, cfg }
+    pub(crate) fn new(rpc: Rpc, replicas: Replicas, cfg: SiteConfig, site: Option<RaidSite>) -> Ad {
+        Ad {
+            rpc,
+            replicas,
+            cfg,
+            site,
+        }
     }
 
     /// The site this driver runs at.
@@ -180,12 +200,13 @@ impl Ad {
             return self.run_here(req).await;
         }
         let mut shipped = Shipped {
-            id: rand::random(),
+            id: rand::random::<u64>().max(1),
+            sent_ms: marker::now_ms(),
             attempt: 0,
             sites: self.replicas.all().to_vec(),
             req,
         };
-        let give_up = Instant::now() + self.cfg.tx_timeout + Duration::from_secs(2);
+        let give_up = Instant::now() + self.cfg.retry_window();
         loop {
             let addr = Address::new(AD_HERE_SERVICE, primary)
                 .map_err(|e| Failure::new(Status::BadRequest, e.to_string()))?;
@@ -197,6 +218,19 @@ impl Ad {
                 .await;
             let lost = match answer {
                 Ok(payload) => match payload.decode::<ShippedReply>() {
+                    // Refused as too old for its marker to be kept: an
+                    // earlier sending may have committed.
+                    Ok(ShippedReply::Done(Err(f)))
+                        if f.status == Status::Refused && shipped.attempt > 0 =>
+                    {
+                        return Err(Failure::new(
+                            Status::InDoubt,
+                            format!(
+                                "request {:016x} shipped to {primary}: {}",
+                                shipped.id, f.detail
+                            ),
+                        ))
+                    }
                     Ok(ShippedReply::Done(result)) => return result,
                     Ok(ShippedReply::Busy) => None,
                     Err(e) => {
@@ -248,12 +282,18 @@ impl Ad {
         if let Err(f) = self.check_shipped(&shipped) {
             return ShippedReply::Done(Err(f));
         }
+        let Some(site) = &self.site else {
+            return ShippedReply::Done(Err(Failure::new(
+                Status::Internal,
+                "this action driver has no site to keep shipped-request markers",
+            )));
+        };
         let marker = Item {
             rel: Relation::Request,
             key: shipped.id,
         };
-        let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
-        let tx = match self.claim(tx, marker, shipped.id).await {
+        let sent_ms = shipped.sent_ms;
+        let tx = match self.admit_and_claim(site, &shipped).await {
             Claimed::Fresh(tx) => tx,
             Claimed::Settled(reply) => return reply,
         };
@@ -264,12 +304,12 @@ impl Ad {
                 branch,
                 delta,
             } => {
-                self.tpcb(&tx, *aid, *teller, *branch, *delta, Some(marker))
+                self.tpcb(&tx, *aid, *teller, *branch, *delta, Some((marker, sent_ms)))
                     .await
             }
             AdRequest::Raid { actions } => match self.raid(&tx, actions).await {
                 Ok(sum) => self
-                    .write_all(&tx, vec![SiteOp::Insert(marker, tuple(sum))])
+                    .write_all(&tx, vec![SiteOp::Mark(marker, Some(sum), sent_ms)])
                     .await
                     .map(|_| sum),
                 Err(f) => Err(f),
@@ -292,12 +332,11 @@ impl Ad {
         // A repeat failed: an earlier copy may still be on its way. Leave a
         // marker that says the request failed, unless a run committed in
         // the meantime.
-        let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
-        match self.claim(tx, marker, shipped.id).await {
+        match self.admit_and_claim(site, &shipped).await {
             Claimed::Settled(reply) => reply,
             Claimed::Fresh(tx) => {
                 let burned = self
-                    .write_all(&tx, vec![SiteOp::Insert(marker, tuple(FAILED))])
+                    .write_all(&tx, vec![SiteOp::Mark(marker, Some(FAILED), sent_ms)])
                     .await;
                 match burned {
                     Ok(_) => match tx.commit().await {
@@ -343,19 +382,77 @@ impl Ad {
         Ok(())
     }
 
+    /// Admits a shipped request (its marker cannot have been reclaimed) and
+    /// claims its marker in a new transaction, with no horizon raise in
+    /// between.
+    async fn admit_and_claim(&self, site: &RaidSite, shipped: &Shipped) -> Claimed {
+        site.ensure_markers_scanned();
+        let markers = site.markers();
+        let gate = markers.admission().await;
+        if let Err(f) = markers.admit(shipped.id, shipped.sent_ms) {
+            return Claimed::Settled(ShippedReply::Done(Err(f)));
+        }
+        let marker = Item {
+            rel: Relation::Request,
+            key: shipped.id,
+        };
+        let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
+        self.claim(tx, marker, shipped.id, gate).await
+    }
+
+    /// Deletes a batch of reclaimed markers from every copy and stores the
+    /// batch's horizon, in one transaction.
+    ///
+    /// Fails with the status that ended the transaction.
+    pub(crate) async fn reclaim(&self, batch: &Batch) -> Result<(), Failure> {
+        let tx = self.rpc.begin_with_timeout(Some(self.cfg.tx_timeout));
+        let mut ops: Vec<SiteOp> = batch
+            .ids
+            .iter()
+            .map(|id| {
+                SiteOp::Remove(Item {
+                    rel: Relation::Request,
+                    key: *id,
+                })
+            })
+            .collect();
+        ops.push(SiteOp::Mark(
+            Item {
+                rel: Relation::Request,
+                key: HORIZON_KEY,
+            },
+            Some(0),
+            batch.horizon,
+        ));
+        match self.write_all(&tx, ops).await {
+            Ok(_) => tx.commit().await,
+            Err(f) => {
+                let _ = tx.abort(&f.detail).await;
+                Err(f)
+            }
+        }
+    }
+
     /// Claims a shipped request's marker at the first copy within `tx`.
     /// `Fresh` when no run committed (the caller holds the marker's lock);
     /// otherwise the answer to give, and `tx` is finished.
-    async fn claim(&self, tx: Transaction, marker: Item, id: u64) -> Claimed {
+    ///
+    /// `gate` (the admission guard) is released once the marker is locked:
+    /// a horizon raise then cannot slip between the admission and the
+    /// claim, and does not wait for the rest of this run.
+    async fn claim<G>(&self, tx: Transaction, marker: Item, id: u64, gate: G) -> Claimed {
         let first = self.replicas.first();
-        match self
+        let claimed = self
             .call_site(&tx, first, vec![SiteOp::Claim(marker)])
-            .await
-        {
+            .await;
+        drop(gate);
+        match claimed {
             Ok(a) if a.first() == Some(&1) => {
                 // Ran before: its answer, once that run's outcome is known
                 // here (committing this read waits for it).
-                let read = self.call_site(&tx, first, vec![SiteOp::Read(marker)]).await;
+                let read = self
+                    .call_site(&tx, first, vec![SiteOp::Answer(marker)])
+                    .await;
                 Claimed::Settled(match (read, tx.commit().await) {
                     (Ok(v), Ok(())) if v[0] == FAILED => ShippedReply::Done(Err(Failure::new(
                         Status::Aborted,
@@ -455,7 +552,7 @@ impl Ad {
         teller: u64,
         branch: u64,
         delta: i64,
-        marker: Option<Item>,
+        marker: Option<(Item, u64)>,
     ) -> Result<i64, Failure> {
         let tid = tx.tid();
         let row = HistoryRow {
@@ -496,9 +593,9 @@ impl Ad {
                 row.encode(),
             ),
         ];
-        if let Some(m) = marker {
+        if let Some((m, sent_ms)) = marker {
             // Recorded with the account's new balance, on every copy.
-            ops.push(SiteOp::Mark(m));
+            ops.push(SiteOp::Mark(m, None, sent_ms));
         }
         // The account's new balance is the transaction's read (every copy
         // answers the same).

@@ -12,7 +12,7 @@ use weft_kv::lock::{LockError, LockManager, LockMode};
 use weft_wire::{Failure, Status, SubPath, Tid, Xid};
 
 use crate::schema::Item;
-use crate::violation::Violations;
+use crate::violation::{Violations, DEFAULT_MAX_WRITERS};
 
 /// A site's concurrency controller.
 pub struct Cc {
@@ -25,9 +25,16 @@ impl Cc {
     /// A controller whose lock waits last at most `wait` (Raid: one second
     /// per action).
     pub fn new(wait: Duration) -> Cc {
+        Cc::with_limits(wait, DEFAULT_MAX_WRITERS)
+    }
+
+    /// A controller whose lock waits last at most `wait`, with at most
+    /// `max_writers` prepared writers in violation mode at once (one more
+    /// keeps its locks until its outcome).
+    pub fn with_limits(wait: Duration, max_writers: usize) -> Cc {
         Cc {
             locks: LockManager::new(),
-            violations: Violations::new(),
+            violations: Violations::with_limit(max_writers),
             wait,
         }
     }
@@ -91,11 +98,12 @@ impl Cc {
     /// order of the prepare records: its items stay in violation mode until
     /// its outcome arrives, and whoever uses them depends on it.
     pub fn restore_prepared(&self, tid: Tid, items: Vec<Item>) {
-        self.violations.prepared(tid, items);
+        self.violations.restore(tid, items);
     }
 
     /// The transaction prepared with a Yes vote: its written items pass to
-    /// violation mode and all its locks are released.
+    /// violation mode and all its locks are released; when the bound of
+    /// violation mode is reached, it keeps its locks until its outcome.
     pub fn prepared(&self, tid: Tid) {
         let items = self
             .locks
@@ -106,8 +114,11 @@ impl Cc {
             .collect();
         // Registered before the release: nobody locks an item without
         // seeing its prepared writer.
-        self.violations.prepared(tid, items);
-        self.locks.release_all(&tid);
+        if self.violations.prepared(tid, items) {
+            self.locks.release_all(&tid);
+        } else {
+            tracing::debug!(%tid, "violation mode full: the writer keeps its locks");
+        }
     }
 
     /// Holds the transaction's vote until every prepared writer whose
@@ -220,6 +231,36 @@ mod tests {
         assert_eq!(vote.await.unwrap(), Ok(()));
         cc.decided(t2.tid, true);
         assert_eq!(cc.violations(), (1, 0));
+    }
+
+    #[tokio::test]
+    async fn past_the_bound_a_prepared_writer_keeps_its_locks_until_decided() {
+        let cc = Cc::with_limits(Duration::from_millis(20), 1);
+        let (t1, t2, t3) = (xid(1), xid(2), xid(3));
+        cc.lock(&t1, item(1), LockMode::Exclusive, None)
+            .await
+            .unwrap();
+        cc.lock(&t2, item(2), LockMode::Exclusive, None)
+            .await
+            .unwrap();
+        cc.prepared(t1.tid);
+        cc.prepared(t2.tid);
+        // T1's item is in violation mode; T2's is still locked.
+        cc.lock(&t3, item(1), LockMode::Exclusive, None)
+            .await
+            .expect("granted over the registered writer");
+        let err = cc
+            .lock(&t3, item(2), LockMode::Exclusive, None)
+            .await
+            .unwrap_err();
+        assert_eq!(err.status, Status::LockConflict, "{err}");
+        cc.decided(t2.tid, true);
+        cc.lock(&t3, item(2), LockMode::Exclusive, None)
+            .await
+            .expect("free once T2 is decided");
+        cc.decided(t1.tid, true);
+        cc.decided(t3.tid, true);
+        assert!(cc.held().is_empty(), "{:?}", cc.held());
     }
 
     #[tokio::test]

@@ -15,6 +15,7 @@ pub mod audit;
 pub mod cc;
 pub mod cluster;
 pub mod load;
+pub mod marker;
 pub mod rc;
 pub mod schema;
 pub mod site;
@@ -25,7 +26,11 @@ pub use ad::{Action, Ad, AdReply, AdRequest, Shipped, ShippedReply};
 pub use audit::{Audit, SiteAudit};
 pub use cluster::{ClusterOptions, Counters, RaidCluster};
 pub use load::{LoadReply, LoadRequest};
+pub use marker::MarkerLimits;
 pub use rc::Replicas;
 pub use schema::{Item, Relation, Sizes};
-pub use site::{RaidSite, SiteConfig, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE, SITE_SERVICE};
+pub use site::{
+    Bookkeeping, CheckpointStats, RaidSite, SiteConfig, AD_SERVICE, AUDIT_SERVICE, LOAD_SERVICE,
+    SITE_SERVICE,
+};
 pub use workload::{run_closed, Mode, RunReport, Workload};

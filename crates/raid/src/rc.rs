@@ -78,6 +78,11 @@ impl Replicas {
         }
     }
 
+    /// The site these copies are seen from.
+    pub fn local(&self) -> NodeId {
+        self.local
+    }
+
     /// The site whose copy writes reach first.
     pub fn first(&self) -> NodeId {
         self.sites.first().copied().unwrap_or(self.local)

@@ -8,6 +8,7 @@
 //! transaction see another's uncommitted write, nor release a lock before
 //! the write it protects is applied.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use crate::ad::{Ad, AdReply, AdRequest};
 use crate::audit::{audit_store, SiteAudit};
 use crate::cc::Cc;
 use crate::load::{load_store, stored_placement, LoadRequest};
+use crate::marker::{self, MarkerLimits, Markers, HORIZON_KEY};
 use crate::rc::Replicas;
 use crate::schema::{balance, tuple, Item, Relation};
 
@@ -53,9 +55,15 @@ pub enum SiteOp {
     /// Exclusive lock; answers 1 when the item exists (its balance is then
     /// readable), 0 when it does not.
     Claim(Item),
-    /// Exclusive lock, write the item with the batch's first answer (as a
-    /// balance tuple); answers 0.
-    Mark(Item),
+    /// Exclusive lock, write a shipped request's marker (see
+    /// [`crate::marker`]): the answer given (the batch's first answer when
+    /// `None`) and when the request was first sent (ms since the epoch);
+    /// answers 0. At the first copy the marker is indexed for reclamation.
+    Mark(Item, Option<i64>, u64),
+    /// Shared lock, read the answer a marker records.
+    Answer(Item),
+    /// Exclusive lock, delete the item (a reclaimed marker); answers 0.
+    Remove(Item),
 }
 
 impl SiteOp {
@@ -63,10 +71,12 @@ impl SiteOp {
     fn lock(&self) -> (Item, LockMode) {
         match self {
             SiteOp::Read(item) => (*item, LockMode::Shared),
+            SiteOp::Answer(item) => (*item, LockMode::Shared),
             SiteOp::Update(item, _)
             | SiteOp::Insert(item, _)
             | SiteOp::Claim(item)
-            | SiteOp::Mark(item) => (*item, LockMode::Exclusive),
+            | SiteOp::Mark(item, ..)
+            | SiteOp::Remove(item) => (*item, LockMode::Exclusive),
         }
     }
 }
@@ -87,6 +97,13 @@ pub struct SiteConfig {
     pub action_timeout: Duration,
     /// How long a transaction may run before it aborts.
     pub tx_timeout: Duration,
+    /// Retention and bounds of shipped-request markers (see
+    /// [`crate::marker`]). A retention shorter than the shipping AD's retry
+    /// window (`tx_timeout` + 2 s) is raised to it.
+    pub markers: MarkerLimits,
+    /// Most prepared writers in controlled lock violation at once (see
+    /// [`crate::violation`]); one more keeps its locks until its outcome.
+    pub max_prepared_writers: usize,
 }
 
 impl Default for SiteConfig {
@@ -94,7 +111,17 @@ impl Default for SiteConfig {
         SiteConfig {
             action_timeout: Duration::from_secs(1),
             tx_timeout: Duration::from_secs(10),
+            markers: MarkerLimits::default(),
+            max_prepared_writers: crate::violation::DEFAULT_MAX_WRITERS,
         }
+    }
+}
+
+impl SiteConfig {
+    /// How long after its first sending a shipping AD may still repeat a
+    /// request: the transaction timeout plus 2 s.
+    pub fn retry_window(&self) -> Duration {
+        self.tx_timeout + Duration::from_secs(2)
     }
 }
 
@@ -108,6 +135,38 @@ struct Inner {
     /// The copy's placement, once read from the loaded copy (it never
     /// changes after the load).
     placement: OnceLock<Vec<NodeId>>,
+    /// How long the store's checkpoints took (counters only).
+    checkpoints: parking_lot::Mutex<CheckpointStats>,
+    /// The markers of requests shipped to this site as the first copy.
+    markers: Arc<Markers>,
+    /// Set when the node crashed: background work stops.
+    crashed: AtomicBool,
+}
+
+/// What a site keeps, counted (see [`RaidSite::bookkeeping`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bookkeeping {
+    /// Committed keys of the copy, history rows and markers included.
+    pub store_keys: usize,
+    /// Shipped-request markers indexed for reclamation (at the first copy;
+    /// every copy stores the same markers, other sites index none).
+    pub markers: usize,
+}
+
+/// The checkpoints of a site's store: how many ran and how long they took
+/// (counters, not a list: their size never grows).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    /// Checkpoints that completed.
+    pub count: u64,
+    /// Checkpoints that failed.
+    pub failed: u64,
+    /// Duration of the last one, microseconds.
+    pub last_us: u64,
+    /// Longest one, microseconds.
+    pub max_us: u64,
+    /// Sum of their durations, microseconds.
+    pub total_us: u64,
 }
 
 /// A Raid site, installed in a weft node as a plugin.
@@ -197,15 +256,20 @@ impl RaidSite {
             ..KvConfig::default()
         });
         let kv_participant = kv.resource();
+        let mut limits = cfg.markers;
+        limits.retention = limits.retention.max(cfg.retry_window());
         RaidSite {
             inner: Arc::new(Inner {
-                cc: Cc::new(cfg.action_timeout),
+                cc: Cc::with_limits(cfg.action_timeout, cfg.max_prepared_writers),
                 cfg,
                 kv,
                 participant: OnceLock::new(),
                 kv_participant,
                 rpc: OnceLock::new(),
                 placement: OnceLock::new(),
+                checkpoints: parking_lot::Mutex::new(CheckpointStats::default()),
+                markers: Arc::new(Markers::new(limits)),
+                crashed: AtomicBool::new(false),
             }),
         }
     }
@@ -225,6 +289,20 @@ impl RaidSite {
     /// The site's store (for audits and tests).
     pub fn store(&self) -> &Kv {
         &self.inner.kv
+    }
+
+    /// How the store's checkpoints went so far.
+    pub fn checkpoint_stats(&self) -> CheckpointStats {
+        *self.inner.checkpoints.lock()
+    }
+
+    /// What the site keeps now, for soak tests: committed keys (history
+    /// rows included) and shipped-request markers.
+    pub fn bookkeeping(&self) -> Bookkeeping {
+        Bookkeeping {
+            store_keys: self.inner.kv.stats().keys,
+            markers: self.inner.markers.len(),
+        }
     }
 
     /// Lock waits and conflicts seen by the CC.
@@ -274,11 +352,53 @@ impl RaidSite {
                         other => return Err(kv_failure(other)),
                     }
                 }
-                SiteOp::Mark(_) => {
-                    let first = *out.first().ok_or_else(|| {
-                        Failure::new(Status::BadRequest, "a mark needs an answer before it")
-                    })?;
-                    put(tuple(first)).await?;
+                SiteOp::Mark(_, answer, sent_ms) => {
+                    let answer = match answer {
+                        Some(a) => a,
+                        None => *out.first().ok_or_else(|| {
+                            Failure::new(Status::BadRequest, "a mark needs an answer before it")
+                        })?,
+                    };
+                    if item.rel != Relation::Request {
+                        return Err(Failure::new(
+                            Status::BadRequest,
+                            format!("{item:?} is not a request marker"),
+                        ));
+                    }
+                    if item.key != HORIZON_KEY && self.is_first_copy() {
+                        inner.markers.note(item.key, sent_ms)?;
+                    }
+                    put(marker::encode(answer, sent_ms)).await?;
+                    0
+                }
+                SiteOp::Answer(_) => {
+                    let mut r = inner
+                        .kv
+                        .execute(xid, vec![Op::Get(item.kv_key())], deadline)
+                        .await?;
+                    match r.pop() {
+                        Some(Reply::Value(Some(v))) => marker::decode(&v)
+                            .map(|(answer, _)| answer)
+                            .ok_or_else(|| {
+                                Failure::new(
+                                    Status::BadRequest,
+                                    format!("{item:?} holds {} bytes, not a marker", v.len()),
+                                )
+                            })?,
+                        Some(Reply::Value(None)) => {
+                            return Err(Failure::new(
+                                Status::BadRequest,
+                                format!("no marker {:016x}", item.key),
+                            ))
+                        }
+                        other => return Err(kv_failure(other)),
+                    }
+                }
+                SiteOp::Remove(_) => {
+                    inner
+                        .kv
+                        .execute(xid, vec![Op::Delete(item.kv_key())], deadline)
+                        .await?;
                     0
                 }
                 SiteOp::Insert(_, row) => {
@@ -289,6 +409,27 @@ impl RaidSite {
             out.push(answer);
         }
         Ok(out)
+    }
+
+    /// True when this site holds the first copy (and has started).
+    fn is_first_copy(&self) -> bool {
+        self.placement().is_ok_and(|r| r.first() == r.local())
+    }
+
+    /// Reads the store's markers and horizon into the index, once per
+    /// start (at the first copy, before it admits a shipped request).
+    pub(crate) fn ensure_markers_scanned(&self) {
+        let markers = &self.inner.markers;
+        if markers.scanned() {
+            return;
+        }
+        let stored = self
+            .inner
+            .kv
+            .committed_with_prefix(&[Relation::Request.prefix()])
+            .into_iter()
+            .filter_map(|(k, v)| item_of_key(&k).map(|item| (item.key, v)));
+        markers.restore(stored, marker::now_ms());
     }
 
     /// The copies, as this site's loaded copy names them: every write goes
@@ -337,7 +478,12 @@ impl RaidSite {
             .rpc
             .get()
             .ok_or_else(|| Failure::new(Status::Unavailable, "the site has not started"))?;
-        Ok(Ad::new(rpc.clone(), replicas, self.inner.cfg.clone()))
+        Ok(Ad::new(
+            rpc.clone(),
+            replicas,
+            self.inner.cfg.clone(),
+            Some(self.clone()),
+        ))
     }
 
     async fn serve_site(&self, ctx: CallContext, req: SiteRequest) -> Result<SiteReply, Failure> {
@@ -476,11 +622,96 @@ impl Plugin for RaidSite {
                 }
             },
         )?;
+        self.spawn_reclaimer();
         Ok(())
     }
 
+    fn crash(&self) {
+        self.inner.crashed.store(true, Ordering::Relaxed);
+    }
+
     fn checkpoint(&self, log: &Log) -> Result<Option<Lsn>, Failure> {
-        self.inner.kv.checkpoint(log)
+        let start = Instant::now();
+        let r = self.inner.kv.checkpoint(log);
+        let us = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let mut st = self.inner.checkpoints.lock();
+        if r.is_ok() {
+            st.count += 1;
+            st.last_us = us;
+            st.max_us = st.max_us.max(us);
+            st.total_us = st.total_us.saturating_add(us);
+        } else {
+            st.failed += 1;
+        }
+        r
+    }
+}
+
+impl RaidSite {
+    /// Starts the task that reclaims due markers at the first copy, every
+    /// `reclaim_every`, until the node crashes or shuts down (or the site
+    /// is dropped).
+    fn spawn_reclaimer(&self) {
+        let weak = Arc::downgrade(&self.inner);
+        let every = self.inner.markers.limits().reclaim_every;
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(every);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                if inner.crashed.load(Ordering::Relaxed) {
+                    return;
+                }
+                let site = RaidSite { inner };
+                match site.reclaim_due().await {
+                    Err(f) if f.status == Status::ShuttingDown => return,
+                    Err(f) => tracing::debug!("marker reclamation: {f}"),
+                    Ok(_) => {}
+                }
+            }
+        });
+    }
+
+    /// Deletes the markers due for reclamation (at most one batch) from
+    /// every copy, with the raised horizon, in one transaction. Does
+    /// nothing unless this site holds the first copy. Returns how many it
+    /// deleted.
+    ///
+    /// Fails with the status of the deleting transaction (the markers are
+    /// then kept, and tried again later).
+    pub async fn reclaim_due(&self) -> Result<usize, Failure> {
+        self.reclaim_due_at(marker::now_ms()).await
+    }
+
+    /// [`RaidSite::reclaim_due`] as if the clock read `now_ms` (tests).
+    ///
+    /// Fails like [`RaidSite::reclaim_due`].
+    pub async fn reclaim_due_at(&self, now_ms: u64) -> Result<usize, Failure> {
+        if !self.is_first_copy() {
+            return Ok(0);
+        }
+        self.ensure_markers_scanned();
+        let markers = &self.inner.markers;
+        let Some(batch) = markers.take_due(now_ms).await else {
+            return Ok(0);
+        };
+        let n = batch.ids.len();
+        match self.loaded_ad()?.reclaim(&batch).await {
+            Ok(()) => {
+                tracing::debug!(n, horizon = batch.horizon, "markers reclaimed");
+                Ok(n)
+            }
+            Err(f) => {
+                markers.put_back(batch);
+                Err(f)
+            }
+        }
+    }
+
+    /// The markers of requests shipped to this site.
+    pub fn markers(&self) -> &Markers {
+        &self.inner.markers
     }
 }
 

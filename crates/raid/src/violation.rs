@@ -21,6 +21,15 @@
 //! after [`Violations::decided`] (the transaction manager calls it again for
 //! whatever overlapped the abort; [`Violations::registrations`] shows what
 //! is left).
+//!
+//! Bounded: at most `max_writers` prepared writers are in violation mode at
+//! once. A writer that prepares beyond that is not registered and keeps its
+//! locks until its outcome (plain strict two-phase locking: slower for the
+//! next transaction, never wrong). Every other entry belongs to a
+//! transaction that locked an item of a registered writer, so the state is
+//! bounded by the writers and the lock table's own limits. Branches found
+//! in doubt at recovery are registered whatever the bound: they hold no
+//! locks.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -52,19 +61,40 @@ struct State {
     granted: u64,
     /// Transactions doomed by a writer's abort since the site started.
     cascaded: u64,
+    /// Writers not registered because the bound was reached.
+    full: u64,
 }
 
+/// Most prepared writers in violation mode at once, by default.
+pub const DEFAULT_MAX_WRITERS: usize = 16_384;
+
 /// The dependency bookkeeping of controlled lock violation at one site.
-#[derive(Default)]
 pub struct Violations {
     state: Mutex<State>,
     decided: Notify,
+    max_writers: usize,
+}
+
+impl Default for Violations {
+    fn default() -> Self {
+        Violations::with_limit(DEFAULT_MAX_WRITERS)
+    }
 }
 
 impl Violations {
-    /// No prepared writers, no dependencies.
+    /// No prepared writers, no dependencies, the default bound.
     pub fn new() -> Violations {
         Violations::default()
+    }
+
+    /// No prepared writers, no dependencies; at most `max_writers`
+    /// prepared writers registered at once.
+    pub fn with_limit(max_writers: usize) -> Violations {
+        Violations {
+            state: Mutex::new(State::default()),
+            decided: Notify::new(),
+            max_writers,
+        }
     }
 
     /// `tid` locked `item`: when a prepared writer holds it in violation
@@ -123,18 +153,34 @@ impl Violations {
     /// `tid` prepared here having written `items`: they are registered as
     /// its, and the caller may release its locks on them. Call before
     /// releasing, so that no one locks an item without seeing the writer.
-    pub fn prepared(&self, tid: Tid, items: Vec<Item>) {
+    ///
+    /// Returns false, registering nothing, when `max_writers` other writers
+    /// are registered: the caller then keeps its locks until the outcome.
+    pub fn prepared(&self, tid: Tid, items: Vec<Item>) -> bool {
         if items.is_empty() {
-            return;
+            return true;
         }
         let mut st = self.state.lock();
-        for item in &items {
-            let w = st.writers.entry(*item).or_default();
-            if !w.contains(&tid) {
-                w.push(tid);
-            }
+        if st.released.len() >= self.max_writers && !st.released.contains_key(&tid) {
+            st.full += 1;
+            return false;
         }
-        st.released.entry(tid).or_default().extend(items);
+        register(&mut st, tid, items);
+        true
+    }
+
+    /// `tid` was found prepared (in doubt) at recovery, having written
+    /// `items`: registered whatever the bound (it holds no locks).
+    pub fn restore(&self, tid: Tid, items: Vec<Item>) {
+        if !items.is_empty() {
+            register(&mut self.state.lock(), tid, items);
+        }
+    }
+
+    /// Prepared writers that kept their locks because the bound was
+    /// reached, since start.
+    pub fn refused(&self) -> u64 {
+        self.state.lock().full
     }
 
     /// The outcome of `tid` is applied here (`committed` or not): its items
@@ -286,6 +332,17 @@ impl Violations {
             })
             .collect()
     }
+}
+
+/// Registers `items` as prepared writes of `tid`.
+fn register(st: &mut State, tid: Tid, items: Vec<Item>) {
+    for item in &items {
+        let w = st.writers.entry(*item).or_default();
+        if !w.contains(&tid) {
+            w.push(tid);
+        }
+    }
+    st.released.entry(tid).or_default().extend(items);
 }
 
 /// `aborted` aborted here: each of its `dependents` must abort, and so must
@@ -463,6 +520,32 @@ mod tests {
         }
         assert_eq!(v.stats(), (3, 3), "each counted once");
         assert!(v.is_idle());
+    }
+
+    #[test]
+    fn at_most_max_writers_are_registered_and_recovery_bypasses_the_bound() {
+        let v = Violations::with_limit(1);
+        assert!(v.prepared(tid(1), vec![branch()]));
+        assert!(v.prepared(tid(1), vec![branch()]), "the same writer again");
+        assert!(
+            !v.prepared(tid(2), vec![branch()]),
+            "full: it keeps its locks"
+        );
+        assert_eq!(v.refused(), 1);
+        assert_eq!(v.registrations().len(), 1);
+        assert_eq!(v.accessed(tid(3), branch()), Ok(()));
+        assert_eq!(
+            v.undecided(tid(3)),
+            Ok(vec![tid(1)]),
+            "not on the refused one"
+        );
+        v.restore(tid(4), vec![branch()]);
+        assert_eq!(v.registrations().len(), 3, "{:?}", v.registrations());
+        for t in [1, 3, 4] {
+            v.decided(tid(t), true);
+        }
+        assert!(v.is_idle(), "{:?}", v.registrations());
+        assert!(v.prepared(tid(5), vec![branch()]), "room again");
     }
 
     #[tokio::test]

@@ -147,6 +147,7 @@ async fn a_shipped_request_runs_at_the_first_copy_of_the_same_placement_or_fails
     assert_eq!(all, [NodeId(1), NodeId(2), NodeId(3)]);
     let shipped = |id, sites: Vec<NodeId>| Shipped {
         id,
+        sent_ms: weft_raid::marker::now_ms(),
         attempt: 0,
         sites,
         req: tpcb(3),

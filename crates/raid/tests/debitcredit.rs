@@ -256,6 +256,7 @@ async fn a_shipped_request_sent_twice_runs_once() {
     let ads = c.ads().unwrap();
     let shipped = Shipped {
         id: 0x5eed,
+        sent_ms: weft_raid::marker::now_ms(),
         attempt: 0,
         sites: ads[0].replicas().all().to_vec(),
         req: AdRequest::Tpcb {
@@ -298,6 +299,7 @@ async fn a_repeat_that_failed_stops_an_earlier_copy_from_running_later() {
     let failed = ads[0]
         .run_shipped(Shipped {
             id: 0xbad,
+            sent_ms: weft_raid::marker::now_ms(),
             attempt: 1,
             sites: sites.clone(),
             req: tpcb(small().accounts + 1),
@@ -311,6 +313,7 @@ async fn a_repeat_that_failed_stops_an_earlier_copy_from_running_later() {
     let late = ads[0]
         .run_shipped(Shipped {
             id: 0xbad,
+            sent_ms: weft_raid::marker::now_ms(),
             attempt: 0,
             sites,
             req: tpcb(5),
@@ -323,4 +326,147 @@ async fn a_repeat_that_failed_stops_an_earlier_copy_from_running_later() {
     let audit = settle_and_audit(&c, "after a failed repeat").await;
     assert!(audit.passed());
     assert_eq!(history_rows(&c), rows, "nothing ran");
+}
+
+/// Issue 23: a marker is reclaimed once its request cannot be repeated any
+/// more, from every copy; a repeat arriving after that is refused with
+/// Refused (before and after a restart of the first copy), never run a
+/// second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_after_its_marker_was_reclaimed_is_refused_not_run_twice() {
+    let mut c = cluster(3, ClusterOptions::default()).await;
+    c.load(small()).await.unwrap();
+    let ads = c.ads().unwrap();
+    let now = weft_raid::marker::now_ms();
+    let shipped = Shipped {
+        id: 0xfeed,
+        sent_ms: now - 5_000,
+        attempt: 0,
+        sites: ads[0].replicas().all().to_vec(),
+        req: AdRequest::Tpcb {
+            aid: 9,
+            teller: 3,
+            branch: 1,
+            delta: 11,
+        },
+    };
+    let rows = history_rows(&c);
+    let first = ads[0].run_shipped(shipped.clone()).await;
+    assert!(matches!(first, ShippedReply::Done(Ok(_))), "{first:?}");
+    let key = Item {
+        rel: Relation::Request,
+        key: 0xfeed,
+    }
+    .kv_key();
+    assert!(c.sites.iter().all(|s| s.store().committed(&key).is_some()));
+    assert_eq!(
+        c.sites[0].bookkeeping().markers,
+        1,
+        "indexed at the first copy"
+    );
+    assert_eq!(c.sites[1].bookkeeping().markers, 0, "and only there");
+    // Not due before the retention has passed.
+    assert_eq!(c.sites[0].reclaim_due_at(now).await.unwrap(), 0);
+    assert_eq!(c.sites[1].reclaim_due_at(now + 3_600_000).await.unwrap(), 0);
+    // Due: gone from every copy, and the horizon stored with it.
+    assert_eq!(c.sites[0].reclaim_due_at(now + 60_000).await.unwrap(), 1);
+    assert!(c.quiesce(Duration::from_secs(20)).await);
+    for (i, s) in c.sites.iter().enumerate() {
+        assert_eq!(s.store().committed(&key), None, "site {}", i + 1);
+    }
+    assert_eq!(c.sites[0].bookkeeping().markers, 0);
+    assert_eq!(c.sites[0].markers().horizon(), now - 5_000);
+    let repeat = Shipped {
+        attempt: 1,
+        ..shipped.clone()
+    };
+    let refused = ads[0].run_shipped(repeat.clone()).await;
+    assert!(
+        matches!(&refused, ShippedReply::Done(Err(f)) if f.status == Status::Refused && f.detail.contains("twice")),
+        "{refused:?}"
+    );
+    // The first copy restarts: the stored horizon still refuses it.
+    c.restart(1).await.unwrap();
+    let ad = c.sites[0].loaded_ad().unwrap();
+    let again = ad.run_shipped(repeat).await;
+    assert!(
+        matches!(&again, ShippedReply::Done(Err(f)) if f.status == Status::Refused),
+        "{again:?}"
+    );
+    // A request first sent after the horizon still runs (once site 1 knows
+    // the other copies' sites again; a failed try runs nothing).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    for n in 0u64.. {
+        let fresh = Shipped {
+            id: 0xbeef + n,
+            sent_ms: weft_raid::marker::now_ms(),
+            ..shipped.clone()
+        };
+        match ad.run_shipped(fresh).await {
+            ShippedReply::Done(Ok(_)) => break,
+            other => assert!(
+                std::time::Instant::now() < deadline,
+                "writes never resumed after site 1 came back: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    settle_and_audit(&c, "after a refused repeat").await;
+    assert_eq!(history_rows(&c), rows + 2, "two requests ran, once each");
+}
+
+/// Issue 23: under load, the first copy's background task reclaims the
+/// markers of shipped requests once their retention has passed, from every
+/// copy; only the horizon record is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn markers_of_a_run_are_reclaimed_in_the_background_from_every_copy() {
+    let opts = ClusterOptions {
+        site: SiteConfig {
+            // Retention: the retry window, 1 s + 2 s.
+            tx_timeout: Duration::from_secs(1),
+            markers: MarkerLimits {
+                retention: Duration::ZERO,
+                reclaim_every: Duration::from_millis(100),
+                ..MarkerLimits::default()
+            },
+            ..SiteConfig::default()
+        },
+        ..ClusterOptions::default()
+    };
+    let c = cluster(3, opts).await;
+    c.load(small()).await.unwrap();
+    let r = run(&c, Mode::Tpcb, small(), 6, 1.5, 23).await;
+    assert!(r.committed > 10, "{r:?}");
+    let markers = |site: usize| {
+        c.sites[site]
+            .store()
+            .committed_with_prefix(b"r")
+            .into_iter()
+            .filter(|(k, _)| k[1..] != [0u8; 8])
+            .count()
+    };
+    assert!(markers(0) > 0, "sites 2 and 3 shipped their writes");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while (0..3).any(|s| markers(s) > 0) || c.sites[0].bookkeeping().markers > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "markers left: {:?}, indexed {}",
+            (0..3).map(markers).collect::<Vec<_>>(),
+            c.sites[0].bookkeeping().markers
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let horizon = c.sites[0].markers().horizon();
+    assert!(horizon > 0);
+    for s in &c.sites {
+        let stored = s.store().committed(&[b'r', 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            stored
+                .and_then(|v| weft_raid::marker::decode(&v))
+                .map(|(_, t)| t),
+            Some(horizon),
+            "every copy stores the horizon"
+        );
+    }
+    settle_and_audit(&c, "after reclamation").await;
 }

@@ -10,6 +10,7 @@ pub mod log;
 pub mod plot;
 pub mod rpc;
 pub mod rpc_shm;
+pub mod soak;
 
 use std::path::Path;
 use std::time::Duration;
@@ -33,6 +34,9 @@ pub enum BenchCmd {
     Debitcredit(debitcredit::DebitCreditArgs),
     /// Group send and reply collection against unicast calls.
     Group(crate::group_cmd::BenchGroupArgs),
+    /// DebitCredit for a long time: memory, throughput and checkpoint
+    /// times over time, and an audit at the end.
+    Soak(soak::SoakArgs),
 }
 
 /// Runs a benchmark.
@@ -43,6 +47,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Commit(a) => commit::run(a).await,
         BenchCmd::Debitcredit(a) => debitcredit::run(a).await,
         BenchCmd::Group(a) => crate::group_cmd::run_bench(a).await,
+        BenchCmd::Soak(a) => soak::run(a).await,
     }
 }
 

@@ -21,7 +21,10 @@ const FONT_PATHS: &[&str] = &[
     "/usr/share/fonts/truetype/freefont/FreeSans.ttf",
 ];
 
-fn ensure_font() -> anyhow::Result<()> {
+/// Registers a TrueType font for charts (once per process).
+///
+/// Fails with the fonts tried when none can be read.
+pub(crate) fn ensure_font() -> anyhow::Result<()> {
     static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
