@@ -141,6 +141,8 @@ impl Conn {
 struct Inner {
     cfg: ProxyConfig,
     conns: Mutex<HashMap<ConnName, Arc<Conn>>>,
+    /// A connection was registered.
+    new_conn: Notify,
     by_tid: Mutex<HashMap<Tid, ConnName>>,
     log: OnceLock<Log>,
     bound: OnceLock<SocketAddr>,
@@ -164,6 +166,7 @@ impl NetProxy {
             inner: Arc::new(Inner {
                 cfg,
                 conns: Mutex::new(HashMap::new()),
+                new_conn: Notify::new(),
                 by_tid: Mutex::new(HashMap::new()),
                 log: OnceLock::new(),
                 bound: OnceLock::new(),
@@ -196,13 +199,23 @@ impl Inner {
         v
     }
 
-    fn conn(&self, name: &str) -> Result<Arc<Conn>, Failure> {
-        self.conns.lock().get(name).cloned().ok_or_else(|| {
-            Failure::new(
-                Status::BadRequest,
-                format!("net: no connection {name} at this proxy"),
-            )
-        })
+    /// The connection `name`. The server may name it before this proxy
+    /// registered it (it accepted the connection as soon as the proxy
+    /// connected): waits up to the start bound for it.
+    async fn conn(&self, name: &str) -> Result<Arc<Conn>, Failure> {
+        let give_up = Instant::now() + self.cfg.start_wait;
+        loop {
+            let notified = self.new_conn.notified();
+            if let Some(c) = self.conns.lock().get(name).cloned() {
+                return Ok(c);
+            }
+            if tokio::time::timeout_at(give_up.into(), notified).await.is_err() {
+                return Err(Failure::new(
+                    Status::BadRequest,
+                    format!("net: no connection {name} at this proxy"),
+                ));
+            }
+        }
     }
 
     fn conn_of(&self, tid: Tid) -> Option<Arc<Conn>> {
@@ -214,7 +227,7 @@ impl Inner {
         match req {
             NetRequest::List => Ok(NetResponse::Conns(self.list())),
             NetRequest::Sync { conn, out_from, aborted } => {
-                let c = self.conn(&conn)?;
+                let c = self.conn(&conn).await?;
                 let a = {
                     let mut core = c.core.lock();
                     let now = Instant::now();
@@ -229,14 +242,14 @@ impl Inner {
             }
             NetRequest::End { conn, in_end, out_end } => {
                 let tid = need_tx(&ctx)?;
-                let c = self.conn(&conn)?;
+                let c = self.conn(&conn).await?;
                 c.step(Event::End { tx: tid, in_end, out_end })?;
                 c.progress.notify_waiters();
                 Ok(NetResponse::Done)
             }
             NetRequest::Start { conn, in_from, out_from, aborted, replay } => {
                 let tid = need_tx(&ctx)?;
-                let c = self.conn(&conn)?;
+                let c = self.conn(&conn).await?;
                 let give_up = Instant::now() + self.cfg.start_wait;
                 loop {
                     let notified = c.progress.notified();
@@ -323,6 +336,7 @@ impl Inner {
             peer_closed: AtomicBool::new(false),
         });
         self.conns.lock().insert(name.clone(), Arc::clone(&c));
+        self.new_conn.notify_waiters();
         tracing::debug!(conn = %name, peer = %peer_addr, "net proxy: connection");
 
         // Peer writer: released bytes, in order.
