@@ -142,6 +142,21 @@ fn world(server_extra: &[&str], proxy_extra: &[&str]) -> World {
 fn server_killed_before_commit_the_peer_gets_only_earlier_commits() {
     let mut w = world(&["--abort-first", "--stop-before-commit", "1"], &[]);
     w.server.wait_line("STOPPED before-commit 1");
+    // `weft net ls` shows the transaction running, its answer held, and the
+    // counts so far (each request's first attempt aborted and restarted).
+    let node = w.proxy.field("on");
+    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(["net", "ls", "--node", &node, "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let c = &v.as_array().unwrap()[0];
+    assert_eq!(c["state"], "IN_TRANS", "{c}");
+    assert_eq!(c["stats"]["held_bytes"], 5, "{c}");
+    assert_eq!(c["stats"]["committed"], 1, "{c}");
+    assert_eq!(c["stats"]["aborted"], 2, "{c}");
+    assert_eq!(c["stats"]["restarted"], 2, "{c}");
     w.server.kill9();
     // The proxy learns its coordinator died, aborts, drops what it held and
     // closes the peer's connection.

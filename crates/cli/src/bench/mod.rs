@@ -7,6 +7,7 @@
 pub mod commit;
 pub mod debitcredit;
 pub mod log;
+pub mod net;
 pub mod plot;
 pub mod rpc;
 pub mod rpc_shm;
@@ -33,6 +34,9 @@ pub enum BenchCmd {
     Debitcredit(debitcredit::DebitCreditArgs),
     /// Group send and reply collection against unicast calls.
     Group(crate::group_cmd::BenchGroupArgs),
+    /// The Transactional Network Interface experiment (seed 001, section
+    /// 3.2): tx/s of SMA and 2CA against a non-transactional baseline.
+    Net(net::NetArgs),
 }
 
 /// Runs a benchmark.
@@ -43,6 +47,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Commit(a) => commit::run(a).await,
         BenchCmd::Debitcredit(a) => debitcredit::run(a).await,
         BenchCmd::Group(a) => crate::group_cmd::run_bench(a).await,
+        BenchCmd::Net(a) => net::run(a).await,
     }
 }
 

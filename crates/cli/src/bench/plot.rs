@@ -21,7 +21,7 @@ const FONT_PATHS: &[&str] = &[
     "/usr/share/fonts/truetype/freefont/FreeSans.ttf",
 ];
 
-fn ensure_font() -> anyhow::Result<()> {
+pub(crate) fn ensure_font() -> anyhow::Result<()> {
     static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {

@@ -62,6 +62,7 @@ impl Default for LoggerConfig {
 
 /// The connection's state at the logger (Fig. 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ConnState {
     /// No transaction runs; peer bytes are logged for the next one.
     PreTrans,
