@@ -59,7 +59,12 @@ pub struct ProxyArgs {
     #[arg(long, value_delimiter = ',')]
     pub join: Vec<String>,
     /// The cluster secret.
-    #[arg(long, env = "WEFT_CLUSTER_SECRET", default_value = "", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "WEFT_CLUSTER_SECRET",
+        default_value = "",
+        hide_env_values = true
+    )]
     pub secret: String,
     /// Most bytes one transaction may hold (and read) per connection.
     #[arg(long, default_value_t = 4 << 20)]
@@ -142,8 +147,13 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
             "weft net proxy node {} incarnation {} listening on {} peers on {} upstream {}",
             node.id(),
             node.incarnation(),
-            node.addr().map(|x| x.to_string()).unwrap_or_else(|| "-".into()),
-            proxy.listen_addr().map(|x| x.to_string()).unwrap_or_else(|| "-".into()),
+            node.addr()
+                .map(|x| x.to_string())
+                .unwrap_or_else(|| "-".into()),
+            proxy
+                .listen_addr()
+                .map(|x| x.to_string())
+                .unwrap_or_else(|| "-".into()),
             a.upstream
         );
         let _ = out.flush();
@@ -155,7 +165,9 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
 
 async fn ls(a: LsArgs) -> anyhow::Result<()> {
     let c = Client::connect(&a.client).await?;
-    let r: NetResponse = c.call_here(weft_net::tca::SERVICE, NetRequest::List).await?;
+    let r: NetResponse = c
+        .call_here(weft_net::tca::SERVICE, NetRequest::List)
+        .await?;
     c.close().await;
     let NetResponse::Conns(conns) = r else {
         anyhow::bail!("unexpected answer {r:?}");
@@ -203,14 +215,21 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         "weft net serve node {} incarnation {} listening on {} accepting on {}",
         node.id(),
         node.incarnation(),
-        node.addr().map(|x| x.to_string()).unwrap_or_else(|| "-".into()),
+        node.addr()
+            .map(|x| x.to_string())
+            .unwrap_or_else(|| "-".into()),
         listener.local_addr()?
     ));
     let a = Arc::new(a);
     let node = Arc::new(node);
     loop {
         let (tcp, _) = listener.accept().await?;
-        let s = ProxiedStream::new(tcp, node.rpc().clone(), NodeId(a.proxy_node), LoggerConfig::default())?;
+        let s = ProxiedStream::new(
+            tcp,
+            node.rpc().clone(),
+            NodeId(a.proxy_node),
+            LoggerConfig::default(),
+        )?;
         let (node, a) = (Arc::clone(&node), Arc::clone(&a));
         tokio::spawn(async move {
             if let Err(e) = serve_conn(&node, &a, s).await {

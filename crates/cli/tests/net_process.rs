@@ -36,8 +36,14 @@ impl Proc {
             }
         });
         // A hang guard, not a speed bound.
-        let ready = lines.recv_timeout(Duration::from_secs(60)).expect("a ready line");
-        Proc { child, lines, ready }
+        let ready = lines
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a ready line");
+        Proc {
+            child,
+            lines,
+            ready,
+        }
     }
 
     /// The word after `key` in the ready line.
@@ -75,14 +81,27 @@ impl Drop for Proc {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 const FD: [&str; 4] = ["--heartbeat", "50ms", "--dead-after", "500ms"];
 
 fn proxy(upstream: &str, data: &Path, extra: &[&str]) -> Proc {
     let d = data.to_str().unwrap();
-    let mut args = vec!["net", "proxy", "--listen", "127.0.0.1:0", "--upstream", upstream, "--data-dir", d];
+    let mut args = vec![
+        "net",
+        "proxy",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        upstream,
+        "--data-dir",
+        d,
+    ];
     args.extend(FD);
     args.extend(extra);
     Proc::spawn(&args)
@@ -93,8 +112,22 @@ fn proxy(upstream: &str, data: &Path, extra: &[&str]) -> Proc {
 fn server(accept: &str, listen: &str, join: &str, data: &Path, extra: &[&str]) -> Proc {
     let d = data.to_str().unwrap();
     let mut args = vec![
-        "net", "serve", "--id", "2", "--listen", listen, "--join", join, "--accept", accept,
-        "--proxy-node", "1", "--data-dir", d, "--shm", "off",
+        "net",
+        "serve",
+        "--id",
+        "2",
+        "--listen",
+        listen,
+        "--join",
+        join,
+        "--accept",
+        accept,
+        "--proxy-node",
+        "1",
+        "--data-dir",
+        d,
+        "--shm",
+        "off",
     ];
     args.extend(FD);
     args.extend(extra);
@@ -132,10 +165,22 @@ fn world(server_extra: &[&str], proxy_extra: &[&str]) -> World {
     let proxy = proxy(&accept, &dir.path().join("proxy"), proxy_extra);
     let node = proxy.field("on");
     let listen = format!("127.0.0.1:{}", free_port());
-    let server = server(&accept, &listen, &node, &dir.path().join("server"), server_extra);
+    let server = server(
+        &accept,
+        &listen,
+        &node,
+        &dir.path().join("server"),
+        server_extra,
+    );
     let mut peer = TcpStream::connect(peers_addr(&proxy)).unwrap();
     peer.write_all(b"a\nb\nc\n").unwrap();
-    World { _dir: dir, proxy, server, accept, peer }
+    World {
+        _dir: dir,
+        proxy,
+        server,
+        accept,
+        peer,
+    }
 }
 
 #[test]
@@ -149,7 +194,11 @@ fn server_killed_before_commit_the_peer_gets_only_earlier_commits() {
         .args(["net", "ls", "--node", &node, "--json"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let c = &v.as_array().unwrap()[0];
     assert_eq!(c["state"], "IN_TRANS", "{c}");
@@ -181,7 +230,13 @@ fn server_killed_with_the_decision_durable_but_unsent_delivers_exactly_once_afte
     let node = proxy.field("on");
     let sdir = dir.path().join("server");
     let listen = format!("127.0.0.1:{}", free_port());
-    let mut srv = server(&accept, &listen, &node, &sdir, &["--crash-at", "coordinator-after-commit-force"]);
+    let mut srv = server(
+        &accept,
+        &listen,
+        &node,
+        &sdir,
+        &["--crash-at", "coordinator-after-commit-force"],
+    );
     let mut peer = TcpStream::connect(peers_addr(&proxy)).unwrap();
     peer.write_all(b"a\n").unwrap();
     // The commit record of the first answer is durable; no decision was sent.

@@ -263,7 +263,11 @@ impl TxStream {
                 let why = self.shared.eof.lock().clone().unwrap_or_default();
                 return Err(Failure::new(
                     Status::ProcDead,
-                    format!("{}: {why} after {at} of {} bytes", self.shared.name, buf.len()),
+                    format!(
+                        "{}: {why} after {at} of {} bytes",
+                        self.shared.name,
+                        buf.len()
+                    ),
                 ));
             }
             at += n;

@@ -89,7 +89,10 @@ async fn the_peer_sees_exactly_the_committed_responses_and_restarts_read_the_sam
     assert_eq!(got, expected, "seed {seed}");
     let st = s.stats();
     let n_aborts = aborts.iter().filter(|a| **a).count() as u64;
-    assert_eq!((st.committed, st.aborted, st.restarted), (N as u64, n_aborts, n_aborts));
+    assert_eq!(
+        (st.committed, st.aborted, st.restarted),
+        (N as u64, n_aborts, n_aborts)
+    );
     node.shutdown().await;
 }
 

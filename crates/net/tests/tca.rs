@@ -45,7 +45,9 @@ async fn setup(cfg: LoggerConfig) -> Setup {
         .start()
         .await
         .expect("server node starts");
-    let peer = TcpStream::connect(proxy.listen_addr().unwrap()).await.unwrap();
+    let peer = TcpStream::connect(proxy.listen_addr().unwrap())
+        .await
+        .unwrap();
     let (up, _) = upstream.accept().await.unwrap();
     let stream = Arc::new(ProxiedStream::new(up, server.rpc().clone(), NodeId(1), cfg).unwrap());
     Setup {
@@ -72,7 +74,13 @@ async fn the_peer_sees_exactly_the_committed_responses_through_the_proxy() {
         .unwrap_or(0x2ca_0019);
     println!("seed {seed} (WEFT_TEST_SEED to replay)");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let Setup { proxy_node, proxy, server, stream: s, peer } = setup(LoggerConfig::default()).await;
+    let Setup {
+        proxy_node,
+        proxy,
+        server,
+        stream: s,
+        peer,
+    } = setup(LoggerConfig::default()).await;
     const N: u32 = 20;
     let aborts: Vec<bool> = (0..N).map(|_| rng.gen_bool(0.5)).collect();
     let lens: Vec<usize> = (0..N).map(|_| rng.gen_range(10..100_000)).collect();
@@ -95,7 +103,9 @@ async fn the_peer_sees_exactly_the_committed_responses_through_the_proxy() {
         assert_eq!(req, format!("req {i}\n").as_bytes());
         let tx = if aborts[i as usize] {
             s.write_all(b"ABORTED-ATTEMPT ").await.unwrap();
-            s.write_all(&vec![b'!'; lens[i as usize] / 2]).await.unwrap();
+            s.write_all(&vec![b'!'; lens[i as usize] / 2])
+                .await
+                .unwrap();
             s.abort(tx, "test abort").await.unwrap();
             let again = server.begin();
             s.restart(&again).await.unwrap();
@@ -119,13 +129,21 @@ async fn the_peer_sees_exactly_the_committed_responses_through_the_proxy() {
     let conns = proxy.list();
     assert_eq!(conns.len(), 1);
     let st = &conns[0].stats;
-    assert_eq!((st.committed, st.aborted, st.restarted), (N as u64, n_aborts, n_aborts), "seed {seed}");
+    assert_eq!(
+        (st.committed, st.aborted, st.restarted),
+        (N as u64, n_aborts, n_aborts),
+        "seed {seed}"
+    );
     assert_eq!(conns[0].state, ConnState::PreTrans);
     // The server closes: the peer reads the end of the stream, nothing more.
     s.shutdown().await;
     let mut rest = Vec::new();
     rd.read_to_end(&mut rest).await.unwrap();
-    assert!(rest.is_empty(), "seed {seed}: {} bytes after the last commit", rest.len());
+    assert!(
+        rest.is_empty(),
+        "seed {seed}: {} bytes after the last commit",
+        rest.len()
+    );
     server.shutdown().await;
     proxy_node.shutdown().await;
 }
@@ -136,7 +154,13 @@ async fn a_write_past_the_limit_fails_with_no_buffer_at_the_server_and_nothing_i
         max_hold: 100,
         ..LoggerConfig::default()
     };
-    let Setup { proxy_node, proxy: _proxy, server, stream: s, mut peer } = setup(cfg).await;
+    let Setup {
+        proxy_node,
+        proxy: _proxy,
+        server,
+        stream: s,
+        mut peer,
+    } = setup(cfg).await;
     let tx = server.begin();
     s.start(&tx).await.unwrap();
     s.write_all(&[b'x'; 60]).await.unwrap();
@@ -156,7 +180,13 @@ async fn a_write_past_the_limit_fails_with_no_buffer_at_the_server_and_nothing_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_then_output_outside_a_transaction_resynchronises() {
-    let Setup { proxy_node, proxy: _proxy, server, stream: s, mut peer } = setup(LoggerConfig::default()).await;
+    let Setup {
+        proxy_node,
+        proxy: _proxy,
+        server,
+        stream: s,
+        mut peer,
+    } = setup(LoggerConfig::default()).await;
     let tx = server.begin();
     s.start(&tx).await.unwrap();
     s.write_all(b"never").await.unwrap();

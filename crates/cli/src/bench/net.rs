@@ -113,7 +113,9 @@ async fn link(target: SocketAddr, delay: Duration, mbps: f64) -> anyhow::Result<
     let addr = l.local_addr()?;
     tokio::spawn(async move {
         let Ok((a, _)) = l.accept().await else { return };
-        let Ok(b) = TcpStream::connect(target).await else { return };
+        let Ok(b) = TcpStream::connect(target).await else {
+            return;
+        };
         let _ = a.set_nodelay(true);
         let _ = b.set_nodelay(true);
         let (ar, aw) = a.into_split();
@@ -154,7 +156,11 @@ async fn one_way(
             Duration::ZERO
         };
         wire_free = wire_free.max(now) + serialise;
-        if tx.send((wire_free + delay, buf[..n].to_vec())).await.is_err() {
+        if tx
+            .send((wire_free + delay, buf[..n].to_vec()))
+            .await
+            .is_err()
+        {
             return;
         }
     }
@@ -187,7 +193,9 @@ async fn peer(entry: SocketAddr, plan: &Plan) -> anyhow::Result<(Vec<f64>, Durat
     for i in 0..plan.txs {
         let t0 = Instant::now();
         s.write_all(&request(i)).await?;
-        s.read_exact(&mut buf).await.with_context(|| format!("response {i}"))?;
+        s.read_exact(&mut buf)
+            .await
+            .with_context(|| format!("response {i}"))?;
         times.push(t0.elapsed().as_secs_f64() * 1e3);
         if buf != response(i, plan.resp) {
             bail!("transaction {i}: the peer received other bytes than the committed response");
@@ -256,7 +264,12 @@ async fn run_sma(node: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<Sp
 
 async fn run_tca(server: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<Spent> {
     let (tcp, _) = l.accept().await?;
-    let s = ProxiedStream::new(tcp, server.rpc().clone(), NodeId(1), LoggerConfig::default())?;
+    let s = ProxiedStream::new(
+        tcp,
+        server.rpc().clone(),
+        NodeId(1),
+        LoggerConfig::default(),
+    )?;
     let mut req = [0u8; REQUEST];
     let mut spent = Spent::default();
     for i in 0..plan.txs {
@@ -372,7 +385,11 @@ fn fit(points: &[(f64, f64)]) -> (f64, f64, f64) {
     let syy: f64 = points.iter().map(|p| (p.1 - my).powi(2)).sum();
     let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
     let a = my - b * mx;
-    let r2v = if sxx > 0.0 && syy > 0.0 { sxy * sxy / (sxx * syy) } else { 1.0 };
+    let r2v = if sxx > 0.0 && syy > 0.0 {
+        sxy * sxy / (sxx * syy)
+    } else {
+        1.0
+    };
     (a, b, r2v)
 }
 
@@ -383,7 +400,9 @@ pub async fn run(a: NetArgs) -> anyhow::Result<()> {
         match name.as_str() {
             "sma" => archs.push(Arch::Sma),
             "2ca" => archs.push(Arch::Tca),
-            "tla" => eprintln!("weft bench net: tla is not part of this build (see docs/net.md); skipped"),
+            "tla" => eprintln!(
+                "weft bench net: tla is not part of this build (see docs/net.md); skipped"
+            ),
             other => bail!("unknown architecture {other:?} (sma, 2ca)"),
         }
     }
@@ -419,17 +438,38 @@ pub async fn run(a: NetArgs) -> anyhow::Result<()> {
     let mut done = 0;
     for &d in &a.delay_ms {
         let delay = Duration::from_millis(d);
-        let suffix = if a.delay_ms.len() > 1 || d > 0 { format!("_d{d}") } else { String::new() };
-        let plan = Plan { txs: a.txs, resp, compute, aborts: vec![false; a.txs] };
+        let suffix = if a.delay_ms.len() > 1 || d > 0 {
+            format!("_d{d}")
+        } else {
+            String::new()
+        };
+        let plan = Plan {
+            txs: a.txs,
+            resp,
+            compute,
+            aborts: vec![false; a.txs],
+        };
         done += 1;
         eprintln!("[{done}/{total_runs}] baseline, delay {d} ms ...");
         let base = one_run(Arch::Baseline, &st, delay, a.bandwidth_mbps, &plan).await?;
-        println!("
-delay {d} ms one way: non-transactional baseline {:.2} tx/s", base.tps);
+        println!(
+            "
+delay {d} ms one way: non-transactional baseline {:.2} tx/s",
+            base.tps
+        );
         report.insert(format!("baseline_tps{suffix}"), json!(r2(base.tps)));
         println!(
             "  {:<5} {:>6} {:>8} {:>8} {:>8} {:>8} {:>7} {:>10} {:>10} {:>10}",
-            "arch", "commit", "tx/s", "ave ms", "min ms", "max ms", "r", "compute ms", "comm ms", "control ms"
+            "arch",
+            "commit",
+            "tx/s",
+            "ave ms",
+            "min ms",
+            "max ms",
+            "r",
+            "compute ms",
+            "comm ms",
+            "control ms"
         );
         for &arch in &archs {
             let mut points = Vec::new();
@@ -438,9 +478,17 @@ delay {d} ms one way: non-transactional baseline {:.2} tx/s", base.tps);
                 let committed_first = ((pct as f64 / 100.0) * a.txs as f64).round() as usize;
                 let mut aborts: Vec<bool> = (0..a.txs).map(|i| i >= committed_first).collect();
                 aborts.shuffle(&mut rng);
-                let plan = Plan { txs: a.txs, resp, compute, aborts };
+                let plan = Plan {
+                    txs: a.txs,
+                    resp,
+                    compute,
+                    aborts,
+                };
                 done += 1;
-                eprintln!("[{done}/{total_runs}] {} at {pct}% first-attempt commits, delay {d} ms ...", arch.key());
+                eprintln!(
+                    "[{done}/{total_runs}] {} at {pct}% first-attempt commits, delay {d} ms ...",
+                    arch.key()
+                );
                 let r = one_run(arch, &st, delay, a.bandwidth_mbps, &plan).await?;
                 let ave = r.times_ms.iter().sum::<f64>() / r.times_ms.len() as f64;
                 let min = r.times_ms.iter().cloned().fold(f64::INFINITY, f64::min);
@@ -465,7 +513,11 @@ delay {d} ms one way: non-transactional baseline {:.2} tx/s", base.tps);
                 points.push((pct as f64, ratio));
                 comm.push((1.0 - pct as f64 / 100.0, comm_ms));
                 if pct == 100 && d == 0 {
-                    let bound = if arch == Arch::Sma || arch == Arch::Tca { 0.99 } else { 0.98 };
+                    let bound = if arch == Arch::Sma || arch == Arch::Tca {
+                        0.99
+                    } else {
+                        0.98
+                    };
                     all_ok &= check(&format!("r_{}_100", arch.key()), ratio, ">=", bound);
                 }
             }
@@ -481,7 +533,10 @@ delay {d} ms one way: non-transactional baseline {:.2} tx/s", base.tps);
                 format!("comm_fit_{}{suffix}", arch.key()),
                 json!({"intercept_ms": r2(ia), "slope_ms": r2(slope), "r2": (rsq * 1e3).round() / 1e3}),
             );
-            series.push((format!("{} (delay {d} ms)", arch.key().to_uppercase()), points));
+            series.push((
+                format!("{} (delay {d} ms)", arch.key().to_uppercase()),
+                points,
+            ));
         }
     }
     report.insert("targets_met".into(), json!(all_ok));

@@ -685,12 +685,7 @@ impl LoggerCore {
         Ok(())
     }
 
-    fn on_start(
-        &mut self,
-        tx: Tid,
-        in_from: u64,
-        out_from: u64,
-    ) -> Result<(), CoreError> {
+    fn on_start(&mut self, tx: Tid, in_from: u64, out_from: u64) -> Result<(), CoreError> {
         self.check_start(tx, out_from)?;
         // An `in_from` below the log's start is accepted: the transaction
         // runs, but cannot be restarted (TX_RESTART then fails with AgedOut).

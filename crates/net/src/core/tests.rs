@@ -49,14 +49,37 @@ fn output_is_held_until_commit_and_dropped_at_abort() {
     let mut c = LoggerCore::new(LoggerConfig::default());
     // Outside a transaction bytes pass.
     assert_eq!(peer_out(&write(&mut c, now, b"hi").unwrap()), b"hi");
-    c.step(now, Event::Start { tx: tid(1), in_from: 0, out_from: 2 }).unwrap();
+    c.step(
+        now,
+        Event::Start {
+            tx: tid(1),
+            in_from: 0,
+            out_from: 2,
+        },
+    )
+    .unwrap();
     assert!(peer_out(&write(&mut c, now, b"aborted").unwrap()).is_empty());
     assert_eq!(c.stats().held_bytes, 7);
     assert!(c.step(now, Event::Abort { tx: tid(1) }).unwrap().is_empty());
     assert_eq!(c.stats().held_bytes, 0);
-    c.step(now, Event::Restart { tx: tid(2), out_from: 9 }).unwrap();
+    c.step(
+        now,
+        Event::Restart {
+            tx: tid(2),
+            out_from: 9,
+        },
+    )
+    .unwrap();
     assert!(peer_out(&write(&mut c, now, b"kept").unwrap()).is_empty());
-    c.step(now, Event::End { tx: tid(2), in_end: 0, out_end: 13 }).unwrap();
+    c.step(
+        now,
+        Event::End {
+            tx: tid(2),
+            in_end: 0,
+            out_end: 13,
+        },
+    )
+    .unwrap();
     assert_eq!(c.state(), ConnState::Commit);
     let out = c.step(now, Event::Commit { tx: tid(2) }).unwrap();
     assert_eq!(peer_out(&out), b"kept");
@@ -69,33 +92,80 @@ fn output_is_held_until_commit_and_dropped_at_abort() {
 fn peer_bytes_before_start_belong_to_the_next_transaction_and_replay() {
     let now = Instant::now();
     let mut c = LoggerCore::new(LoggerConfig::default());
-    c.step(now, Event::PeerData(Bytes::from_static(b"GET /a\n"))).unwrap();
+    c.step(now, Event::PeerData(Bytes::from_static(b"GET /a\n")))
+        .unwrap();
     // The server starts its transaction at the bytes it has not read yet.
-    c.step(now, Event::Start { tx: tid(1), in_from: 0, out_from: 0 }).unwrap();
+    c.step(
+        now,
+        Event::Start {
+            tx: tid(1),
+            in_from: 0,
+            out_from: 0,
+        },
+    )
+    .unwrap();
     let first = to_server(&c.step(now, Event::ServerRead { max: 100 }).unwrap());
     assert_eq!(first, b"GET /a\n");
     c.step(now, Event::Abort { tx: tid(1) }).unwrap();
-    c.step(now, Event::Restart { tx: tid(2), out_from: 0 }).unwrap();
+    c.step(
+        now,
+        Event::Restart {
+            tx: tid(2),
+            out_from: 0,
+        },
+    )
+    .unwrap();
     let again = to_server(&c.step(now, Event::ServerRead { max: 100 }).unwrap());
     assert_eq!(again, first, "a restarted transaction reads the same bytes");
-    c.step(now, Event::End { tx: tid(2), in_end: 7, out_end: 0 }).unwrap();
+    c.step(
+        now,
+        Event::End {
+            tx: tid(2),
+            in_end: 7,
+            out_end: 0,
+        },
+    )
+    .unwrap();
     c.step(now, Event::Commit { tx: tid(2) }).unwrap();
-    assert_eq!(c.stats().logged_bytes, 0, "commit purges the transaction's input");
+    assert_eq!(
+        c.stats().logged_bytes,
+        0,
+        "commit purges the transaction's input"
+    );
 }
 
 #[test]
 fn a_write_past_the_hold_limit_fails_with_no_buffer_and_nothing_is_sent() {
     let now = Instant::now();
-    let cfg = LoggerConfig { max_hold: 10, ..LoggerConfig::default() };
+    let cfg = LoggerConfig {
+        max_hold: 10,
+        ..LoggerConfig::default()
+    };
     let mut c = LoggerCore::new(cfg);
-    c.step(now, Event::Start { tx: tid(1), in_from: 0, out_from: 0 }).unwrap();
+    c.step(
+        now,
+        Event::Start {
+            tx: tid(1),
+            in_from: 0,
+            out_from: 0,
+        },
+    )
+    .unwrap();
     write(&mut c, now, b"12345678").unwrap();
     let e = write(&mut c, now, b"abc").unwrap_err();
     assert!(matches!(e, CoreError::NoBuffer(_)), "{e}");
     assert_eq!(e.status(), Status::NoBuffer);
     assert_eq!(c.out_pos(), 8, "the refused write took no position");
     write(&mut c, now, b"90").unwrap();
-    c.step(now, Event::End { tx: tid(1), in_end: 0, out_end: 10 }).unwrap();
+    c.step(
+        now,
+        Event::End {
+            tx: tid(1),
+            in_end: 0,
+            out_end: 10,
+        },
+    )
+    .unwrap();
     let out = c.step(now, Event::Commit { tx: tid(1) }).unwrap();
     assert_eq!(peer_out(&out), b"1234567890");
 }
@@ -103,11 +173,28 @@ fn a_write_past_the_hold_limit_fails_with_no_buffer_and_nothing_is_sent() {
 #[test]
 fn late_server_bytes_past_the_limit_doom_the_transaction() {
     let now = Instant::now();
-    let cfg = LoggerConfig { max_hold: 4, ..LoggerConfig::default() };
+    let cfg = LoggerConfig {
+        max_hold: 4,
+        ..LoggerConfig::default()
+    };
     let mut c = LoggerCore::new(cfg);
-    c.step(now, Event::Start { tx: tid(1), in_from: 0, out_from: 0 }).unwrap();
+    c.step(
+        now,
+        Event::Start {
+            tx: tid(1),
+            in_from: 0,
+            out_from: 0,
+        },
+    )
+    .unwrap();
     let out = c
-        .step(now, Event::ServerData { data: Bytes::from_static(b"too long"), refusable: false })
+        .step(
+            now,
+            Event::ServerData {
+                data: Bytes::from_static(b"too long"),
+                refusable: false,
+            },
+        )
         .unwrap();
     assert!(out.is_empty());
     assert!(c.is_doomed());
@@ -117,11 +204,26 @@ fn late_server_bytes_past_the_limit_doom_the_transaction() {
 #[test]
 fn the_transaction_input_kept_for_replay_is_bounded() {
     let now = Instant::now();
-    let cfg = LoggerConfig { max_hold: 4, ..LoggerConfig::default() };
+    let cfg = LoggerConfig {
+        max_hold: 4,
+        ..LoggerConfig::default()
+    };
     let mut c = LoggerCore::new(cfg);
-    c.step(now, Event::PeerData(Bytes::from_static(b"abcdefgh"))).unwrap();
-    c.step(now, Event::Start { tx: tid(1), in_from: 0, out_from: 0 }).unwrap();
-    assert_eq!(to_server(&c.step(now, Event::ServerRead { max: 100 }).unwrap()), b"abcd");
+    c.step(now, Event::PeerData(Bytes::from_static(b"abcdefgh")))
+        .unwrap();
+    c.step(
+        now,
+        Event::Start {
+            tx: tid(1),
+            in_from: 0,
+            out_from: 0,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        to_server(&c.step(now, Event::ServerRead { max: 100 }).unwrap()),
+        b"abcd"
+    );
     let e = c.step(now, Event::ServerRead { max: 100 }).unwrap_err();
     assert!(matches!(e, CoreError::NoBuffer(_)), "{e}");
 }
@@ -129,39 +231,70 @@ fn the_transaction_input_kept_for_replay_is_bounded() {
 #[test]
 fn the_receive_window_is_bounded() {
     let now = Instant::now();
-    let cfg = LoggerConfig { max_rx: 4, ..LoggerConfig::default() };
+    let cfg = LoggerConfig {
+        max_rx: 4,
+        ..LoggerConfig::default()
+    };
     let mut c = LoggerCore::new(cfg);
-    c.step(now, Event::PeerData(Bytes::from_static(b"abc"))).unwrap();
+    c.step(now, Event::PeerData(Bytes::from_static(b"abc")))
+        .unwrap();
     assert_eq!(c.peer_room(), 1);
-    let e = c.step(now, Event::PeerData(Bytes::from_static(b"de"))).unwrap_err();
+    let e = c
+        .step(now, Event::PeerData(Bytes::from_static(b"de")))
+        .unwrap_err();
     assert_eq!(e.status(), Status::NoBuffer);
 }
 
 #[test]
 fn unclaimed_bytes_age_out_by_size() {
     let now = Instant::now();
-    let cfg = LoggerConfig { max_unclaimed: 5, ..LoggerConfig::default() };
+    let cfg = LoggerConfig {
+        max_unclaimed: 5,
+        ..LoggerConfig::default()
+    };
     let mut c = LoggerCore::new(cfg);
-    c.step(now, Event::PeerData(Bytes::from_static(b"0123456789"))).unwrap();
+    c.step(now, Event::PeerData(Bytes::from_static(b"0123456789")))
+        .unwrap();
     // Handed to the server outside any transaction: unclaimed.
     c.step(now, Event::ServerRead { max: 10 }).unwrap();
     let s = c.stats();
     assert_eq!((s.logged_bytes, s.aged_out_bytes), (5, 5));
     // A transaction starting inside the aged-out part cannot be replayed.
-    c.step(now, Event::Start { tx: tid(1), in_from: 2, out_from: 0 }).unwrap();
+    c.step(
+        now,
+        Event::Start {
+            tx: tid(1),
+            in_from: 2,
+            out_from: 0,
+        },
+    )
+    .unwrap();
     c.step(now, Event::Abort { tx: tid(1) }).unwrap();
-    let e = c.step(now, Event::Restart { tx: tid(2), out_from: 0 }).unwrap_err();
+    let e = c
+        .step(
+            now,
+            Event::Restart {
+                tx: tid(2),
+                out_from: 0,
+            },
+        )
+        .unwrap_err();
     assert!(matches!(e, CoreError::AgedOut(_)), "{e}");
 }
 
 #[test]
 fn unclaimed_bytes_age_out_by_time_but_unread_ones_never() {
     let t0 = Instant::now();
-    let cfg = LoggerConfig { unclaimed_ttl: Duration::from_secs(5), ..LoggerConfig::default() };
+    let cfg = LoggerConfig {
+        unclaimed_ttl: Duration::from_secs(5),
+        ..LoggerConfig::default()
+    };
     let mut c = LoggerCore::new(cfg);
-    c.step(t0, Event::PeerData(Bytes::from_static(b"old"))).unwrap();
+    c.step(t0, Event::PeerData(Bytes::from_static(b"old")))
+        .unwrap();
     c.step(t0, Event::ServerRead { max: 3 }).unwrap();
-    c.step(t0, Event::PeerData(Bytes::from_static(b"unread"))).unwrap();
+    c.step(t0, Event::PeerData(Bytes::from_static(b"unread")))
+        .unwrap();
     c.step(t0 + Duration::from_secs(4), Event::Tick).unwrap();
     assert_eq!(c.stats().logged_bytes, 9);
     c.step(t0 + Duration::from_secs(6), Event::Tick).unwrap();
@@ -175,16 +308,68 @@ fn unclaimed_bytes_age_out_by_time_but_unread_ones_never() {
 fn control_events_out_of_place_are_refused() {
     let now = Instant::now();
     let mut c = LoggerCore::new(LoggerConfig::default());
-    let e = c.step(now, Event::End { tx: tid(1), in_end: 0, out_end: 0 }).unwrap_err();
+    let e = c
+        .step(
+            now,
+            Event::End {
+                tx: tid(1),
+                in_end: 0,
+                out_end: 0,
+            },
+        )
+        .unwrap_err();
     assert_eq!(e.status(), Status::Mismatch);
-    c.step(now, Event::Start { tx: tid(1), in_from: 0, out_from: 0 }).unwrap();
-    let e = c.step(now, Event::End { tx: tid(9), in_end: 0, out_end: 0 }).unwrap_err();
+    c.step(
+        now,
+        Event::Start {
+            tx: tid(1),
+            in_from: 0,
+            out_from: 0,
+        },
+    )
+    .unwrap();
+    let e = c
+        .step(
+            now,
+            Event::End {
+                tx: tid(9),
+                in_end: 0,
+                out_end: 0,
+            },
+        )
+        .unwrap_err();
     assert!(matches!(e, CoreError::WrongTx { .. }));
-    let e = c.step(now, Event::End { tx: tid(1), in_end: 5, out_end: 0 }).unwrap_err();
+    let e = c
+        .step(
+            now,
+            Event::End {
+                tx: tid(1),
+                in_end: 5,
+                out_end: 0,
+            },
+        )
+        .unwrap_err();
     assert_eq!(e.status(), Status::BadRequest);
-    c.step(now, Event::End { tx: tid(1), in_end: 0, out_end: 3 }).unwrap();
+    c.step(
+        now,
+        Event::End {
+            tx: tid(1),
+            in_end: 0,
+            out_end: 3,
+        },
+    )
+    .unwrap();
     // The previous transaction is undecided: a new start must wait.
-    let e = c.step(now, Event::Start { tx: tid(2), in_from: 0, out_from: 3 }).unwrap_err();
+    let e = c
+        .step(
+            now,
+            Event::Start {
+                tx: tid(2),
+                in_from: 0,
+                out_from: 3,
+            },
+        )
+        .unwrap_err();
     assert!(matches!(e, CoreError::Busy(_)));
     // Its output has not all arrived.
     let e = c.step(now, Event::Commit { tx: tid(1) }).unwrap_err();
@@ -198,7 +383,15 @@ fn control_events_out_of_place_are_refused() {
 fn an_abort_before_the_end_is_known_drops_the_late_tail() {
     let now = Instant::now();
     let mut c = LoggerCore::new(LoggerConfig::default());
-    c.step(now, Event::Start { tx: tid(1), in_from: 0, out_from: 0 }).unwrap();
+    c.step(
+        now,
+        Event::Start {
+            tx: tid(1),
+            in_from: 0,
+            out_from: 0,
+        },
+    )
+    .unwrap();
     write(&mut c, now, b"abc").unwrap();
     c.step(now, Event::Abort { tx: tid(1) }).unwrap();
     // The rest of the aborted output arrives after the abort, then the
@@ -290,9 +483,13 @@ impl Sim {
         match self.rng.gen_range(0..3) {
             0 => {
                 let room = self.core.peer_room() as u64;
-                let n = (self.peer_limit - self.peer_sent).min(room).min(self.rng.gen_range(1..20));
+                let n = (self.peer_limit - self.peer_sent)
+                    .min(room)
+                    .min(self.rng.gen_range(1..20));
                 if n > 0 {
-                    let b: Vec<u8> = (self.peer_sent..self.peer_sent + n).map(peer_byte).collect();
+                    let b: Vec<u8> = (self.peer_sent..self.peer_sent + n)
+                        .map(peer_byte)
+                        .collect();
                     self.peer_sent += n;
                     self.step(Event::PeerData(Bytes::from(b))).unwrap();
                 }
@@ -304,7 +501,11 @@ impl Sim {
             }
             _ => {
                 if let Some(b) = self.pipe.pop_front() {
-                    self.step(Event::ServerData { data: b, refusable: false }).unwrap();
+                    self.step(Event::ServerData {
+                        data: b,
+                        refusable: false,
+                    })
+                    .unwrap();
                 }
             }
         }
@@ -326,7 +527,12 @@ impl Sim {
         let mut v = Vec::new();
         for _ in 0..n {
             let b = self.inbox.pop_front().unwrap();
-            assert_eq!(b, peer_byte(self.consumed), "server read a wrong byte at {}", self.consumed);
+            assert_eq!(
+                b,
+                peer_byte(self.consumed),
+                "server read a wrong byte at {}",
+                self.consumed
+            );
             self.consumed += 1;
             v.push(b);
         }
@@ -363,14 +569,23 @@ impl Sim {
             }
             let t1 = self.next_tid();
             let (in_from, out_from) = (self.consumed, self.out_pos);
-            self.step(Event::Start { tx: t1, in_from, out_from }).unwrap();
+            self.step(Event::Start {
+                tx: t1,
+                in_from,
+                out_from,
+            })
+            .unwrap();
             let mut t = t1;
             if self.rng.gen_bool(0.4) {
                 // An attempt that aborts, before or after its end is known.
                 let first = self.work(false);
                 if self.rng.gen_bool(0.5) {
-                    self.step(Event::End { tx: t1, in_end: self.consumed, out_end: self.out_pos })
-                        .unwrap();
+                    self.step(Event::End {
+                        tx: t1,
+                        in_end: self.consumed,
+                        out_end: self.out_pos,
+                    })
+                    .unwrap();
                 }
                 for _ in 0..self.rng.gen_range(0..3) {
                     self.background();
@@ -384,30 +599,54 @@ impl Sim {
                 self.consumed = in_from;
                 self.expect = in_from;
                 t = self.next_tid();
-                self.step(Event::Restart { tx: t, out_from: self.out_pos }).unwrap();
+                self.step(Event::Restart {
+                    tx: t,
+                    out_from: self.out_pos,
+                })
+                .unwrap();
                 // It reads at least what the aborted attempt read.
                 let mut again = Vec::new();
                 while again.len() < first.len() {
                     self.background();
                     again.extend(self.read());
                 }
-                assert_eq!(&again[..first.len()], &first[..], "a restart reads the same bytes");
+                assert_eq!(
+                    &again[..first.len()],
+                    &first[..],
+                    "a restart reads the same bytes"
+                );
             }
             self.work(true);
-            self.step(Event::End { tx: t, in_end: self.consumed, out_end: self.out_pos }).unwrap();
+            self.step(Event::End {
+                tx: t,
+                in_end: self.consumed,
+                out_end: self.out_pos,
+            })
+            .unwrap();
             loop {
                 match self.step(Event::Commit { tx: t }) {
                     Ok(()) => break,
                     Err(CoreError::Incomplete(_)) => {
-                        let b = self.pipe.pop_front().expect("incomplete means bytes in flight");
-                        self.step(Event::ServerData { data: b, refusable: false }).unwrap();
+                        let b = self
+                            .pipe
+                            .pop_front()
+                            .expect("incomplete means bytes in flight");
+                        self.step(Event::ServerData {
+                            data: b,
+                            refusable: false,
+                        })
+                        .unwrap();
                     }
                     Err(e) => panic!("commit: {e}"),
                 }
             }
         }
         while let Some(b) = self.pipe.pop_front() {
-            self.step(Event::ServerData { data: b, refusable: false }).unwrap();
+            self.step(Event::ServerData {
+                data: b,
+                refusable: false,
+            })
+            .unwrap();
         }
     }
 }

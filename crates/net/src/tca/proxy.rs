@@ -28,7 +28,9 @@ use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
 use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
 use weft_wire::{Failure, Status, Tid};
 
-use super::{frame, ConnInfo, ConnName, NetRecord, NetRequest, NetResponse, NET_RECORD_TAG, SERVICE};
+use super::{
+    frame, ConnInfo, ConnName, NetRecord, NetRequest, NetResponse, NET_RECORD_TAG, SERVICE,
+};
 use crate::core::{Action, ConnState, CoreError, Event, LoggerConfig, LoggerCore};
 
 /// Proxy settings.
@@ -120,7 +122,9 @@ impl Conn {
     /// Closes the peer's connection when the server is gone and nothing
     /// undecided is held.
     async fn close_if_done(&self) {
-        if self.server_gone.load(Ordering::SeqCst) && self.core.lock().state() == ConnState::PreTrans {
+        if self.server_gone.load(Ordering::SeqCst)
+            && self.core.lock().state() == ConnState::PreTrans
+        {
             let _ = self.to_peer.send(Out::Close).await;
         }
     }
@@ -209,7 +213,10 @@ impl Inner {
             if let Some(c) = self.conns.lock().get(name).cloned() {
                 return Ok(c);
             }
-            if tokio::time::timeout_at(give_up.into(), notified).await.is_err() {
+            if tokio::time::timeout_at(give_up.into(), notified)
+                .await
+                .is_err()
+            {
                 return Err(Failure::new(
                     Status::BadRequest,
                     format!("net: no connection {name} at this proxy"),
@@ -223,10 +230,18 @@ impl Inner {
         self.conns.lock().get(&name).cloned()
     }
 
-    async fn serve_call(self: &Arc<Self>, ctx: CallContext, req: NetRequest) -> Result<NetResponse, Failure> {
+    async fn serve_call(
+        self: &Arc<Self>,
+        ctx: CallContext,
+        req: NetRequest,
+    ) -> Result<NetResponse, Failure> {
         match req {
             NetRequest::List => Ok(NetResponse::Conns(self.list())),
-            NetRequest::Sync { conn, out_from, aborted } => {
+            NetRequest::Sync {
+                conn,
+                out_from,
+                aborted,
+            } => {
                 let c = self.conn(&conn).await?;
                 let a = {
                     let mut core = c.core.lock();
@@ -240,14 +255,28 @@ impl Inner {
                 c.apply(a).await;
                 Ok(NetResponse::Done)
             }
-            NetRequest::End { conn, in_end, out_end } => {
+            NetRequest::End {
+                conn,
+                in_end,
+                out_end,
+            } => {
                 let tid = need_tx(&ctx)?;
                 let c = self.conn(&conn).await?;
-                c.step(Event::End { tx: tid, in_end, out_end })?;
+                c.step(Event::End {
+                    tx: tid,
+                    in_end,
+                    out_end,
+                })?;
                 c.progress.notify_waiters();
                 Ok(NetResponse::Done)
             }
-            NetRequest::Start { conn, in_from, out_from, aborted, replay } => {
+            NetRequest::Start {
+                conn,
+                in_from,
+                out_from,
+                aborted,
+                replay,
+            } => {
                 let tid = need_tx(&ctx)?;
                 let c = self.conn(&conn).await?;
                 let give_up = Instant::now() + self.cfg.start_wait;
@@ -262,7 +291,14 @@ impl Inner {
                         if replay {
                             core.step(now, Event::Restart { tx: tid, out_from })
                         } else {
-                            core.step(now, Event::Start { tx: tid, in_from, out_from })
+                            core.step(
+                                now,
+                                Event::Start {
+                                    tx: tid,
+                                    in_from,
+                                    out_from,
+                                },
+                            )
                         }
                     };
                     match res {
@@ -276,10 +312,16 @@ impl Inner {
                             return Ok(NetResponse::Done);
                         }
                         Err(CoreError::Busy(prev)) => {
-                            if tokio::time::timeout_at(give_up.into(), notified).await.is_err() {
+                            if tokio::time::timeout_at(give_up.into(), notified)
+                                .await
+                                .is_err()
+                            {
                                 return Err(Failure::new(
                                     Status::Unavailable,
-                                    format!("net: {prev} on {conn} still undecided after {:?}", self.cfg.start_wait),
+                                    format!(
+                                        "net: {prev} on {conn} still undecided after {:?}",
+                                        self.cfg.start_wait
+                                    ),
                                 ));
                             }
                         }
@@ -307,7 +349,9 @@ impl Inner {
             tokio::spawn(async move {
                 match TcpStream::connect(inner.cfg.upstream).await {
                     Ok(up) => inner.run_conn(peer, addr, up),
-                    Err(e) => tracing::warn!(%addr, error = %e, "net proxy: upstream unreachable, closing the peer"),
+                    Err(e) => {
+                        tracing::warn!(%addr, error = %e, "net proxy: upstream unreachable, closing the peer")
+                    }
                 }
             });
         }
@@ -474,14 +518,21 @@ impl Resource for ProxyResource {
                         ));
                     }
                     if core.state() != ConnState::Commit {
-                        return Vote::No(format!("net: the server did not end {tid}'s bytes on {}", c.name));
+                        return Vote::No(format!(
+                            "net: the server did not end {tid}'s bytes on {}",
+                            c.name
+                        ));
                     }
                     if core.is_complete() {
                         let mut bytes = Vec::with_capacity(core.stats().held_bytes as usize);
                         for b in core.held() {
                             bytes.extend_from_slice(b);
                         }
-                        let rec = NetRecord::Prepared { tid, conn: c.name.clone(), bytes };
+                        let rec = NetRecord::Prepared {
+                            tid,
+                            conn: c.name.clone(),
+                            bytes,
+                        };
                         let payload = match postcard::to_allocvec(&rec) {
                             Ok(p) => p,
                             Err(e) => return Vote::No(format!("net: {e}")),
@@ -495,9 +546,15 @@ impl Resource for ProxyResource {
                     }
                 }
                 if c.server_gone.load(Ordering::SeqCst) {
-                    return Vote::No(format!("net: the server closed {} before {tid}'s last byte", c.name));
+                    return Vote::No(format!(
+                        "net: the server closed {} before {tid}'s last byte",
+                        c.name
+                    ));
                 }
-                if tokio::time::timeout_at(give_up.into(), notified).await.is_err() {
+                if tokio::time::timeout_at(give_up.into(), notified)
+                    .await
+                    .is_err()
+                {
                     return Vote::No(format!(
                         "net: {tid}'s last server bytes did not arrive within {:?}",
                         self.0.cfg.prepare_wait
@@ -519,7 +576,9 @@ impl Resource for ProxyResource {
                         }
                     }
                 }
-                Err(e) => tracing::warn!(%tid, conn = %c.name, error = %e, "net proxy: commit not applied"),
+                Err(e) => {
+                    tracing::warn!(%tid, conn = %c.name, error = %e, "net proxy: commit not applied")
+                }
             }
             self.0.by_tid.lock().remove(&tid);
             c.progress.notify_waiters();
@@ -539,12 +598,21 @@ impl Resource for ProxyResource {
     }
 
     fn held(&self) -> Vec<(Tid, String)> {
-        let tids: Vec<(Tid, ConnName)> = self.0.by_tid.lock().iter().map(|(t, c)| (*t, c.clone())).collect();
+        let tids: Vec<(Tid, ConnName)> = self
+            .0
+            .by_tid
+            .lock()
+            .iter()
+            .map(|(t, c)| (*t, c.clone()))
+            .collect();
         tids.into_iter()
             .filter_map(|(t, name)| {
                 let c = self.0.conns.lock().get(&name).cloned()?;
                 let s = c.core.lock().stats();
-                Some((t, format!("{name}: {} bytes held for the peer", s.held_bytes)))
+                Some((
+                    t,
+                    format!("{name}: {} bytes held for the peer", s.held_bytes),
+                ))
             })
             .collect()
     }
@@ -580,7 +648,10 @@ impl Plugin for NetProxy {
             }
         }
         for (tid, (conn, n)) in prepared {
-            if matches!(tm.recovered(tid), Some(Recovered::Committed) | Some(Recovered::InDoubt)) {
+            if matches!(
+                tm.recovered(tid),
+                Some(Recovered::Committed) | Some(Recovered::InDoubt)
+            ) {
                 tracing::warn!(%tid, %conn, bytes = n, "net proxy: output of a transaction lost with its peer connection (the proxy died before releasing it)");
                 self.inner.undeliverable.lock().push((tid, conn, n));
             }
@@ -590,7 +661,10 @@ impl Plugin for NetProxy {
 
     fn serve(&self, rpc: &Rpc) -> Result<(), Failure> {
         let std_listener = std::net::TcpListener::bind(self.inner.cfg.listen).map_err(|e| {
-            Failure::new(Status::AddrError, format!("net proxy: cannot listen on {}: {e}", self.inner.cfg.listen))
+            Failure::new(
+                Status::AddrError,
+                format!("net proxy: cannot listen on {}: {e}", self.inner.cfg.listen),
+            )
         })?;
         std_listener.set_nonblocking(true).map_err(plugin_failure)?;
         let bound = std_listener.local_addr().map_err(plugin_failure)?;

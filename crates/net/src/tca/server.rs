@@ -68,7 +68,12 @@ impl ProxiedStream {
     /// transaction's writes, `cfg.max_rx` the receive buffer.
     ///
     /// Fails with AddrError when the socket has no peer address.
-    pub fn new(tcp: TcpStream, rpc: Rpc, proxy: NodeId, cfg: LoggerConfig) -> Result<Self, Failure> {
+    pub fn new(
+        tcp: TcpStream,
+        rpc: Rpc,
+        proxy: NodeId,
+        cfg: LoggerConfig,
+    ) -> Result<Self, Failure> {
         let conn = tcp
             .peer_addr()
             .map_err(|e| Failure::new(Status::AddrError, format!("net: {e}")))?
@@ -295,7 +300,10 @@ impl ProxiedStream {
                     if room == 0 && max > 0 {
                         return Err(Failure::new(
                             Status::NoBuffer,
-                            format!("net: the transaction already read {read} bytes (at most {})", self.cfg.max_hold),
+                            format!(
+                                "net: the transaction already read {read} bytes (at most {})",
+                                self.cfg.max_hold
+                            ),
                         ));
                     }
                     max = max.min(room);
