@@ -124,7 +124,7 @@ async fn a_write_past_the_hold_limit_fails_with_no_buffer_and_the_rest_commits()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn output_outside_a_transaction_passes_and_an_uncommitted_one_is_dropped_with_its_handle() {
+async fn output_outside_a_transaction_passes_and_an_aborted_one_is_dropped() {
     let (node, s, peer) = pair(LoggerConfig::default()).await;
     s.write_all(b"hello\n").await.unwrap();
     let mut rd = BufReader::new(peer);
@@ -135,8 +135,7 @@ async fn output_outside_a_transaction_passes_and_an_uncommitted_one_is_dropped_w
         let tx = node.begin();
         s.start(tx.tid()).unwrap();
         s.write_all(b"never\n").await.unwrap();
-        // Dropped without commit: the transaction aborts.
-        tx.abort("dropped").await.unwrap();
+        tx.abort("changed its mind").await.unwrap();
     }
     let tx = node.begin();
     s.restart(tx.tid()).unwrap();

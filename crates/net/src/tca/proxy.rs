@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -83,6 +83,9 @@ struct Conn {
     to_server: mpsc::Sender<Out>,
     server_gone: AtomicBool,
     peer_closed: AtomicBool,
+    /// Of the server reader and the peer writer, how many ended: the
+    /// second to end forgets the connection.
+    halves_done: AtomicU8,
 }
 
 impl Conn {
@@ -357,6 +360,14 @@ impl Inner {
         }
     }
 
+    /// One of a connection's two ending halves (server reader, peer writer)
+    /// ended; after both, nothing can reach the peer: forget it.
+    fn half_done(&self, c: &Conn) {
+        if c.halves_done.fetch_add(1, Ordering::SeqCst) == 1 {
+            self.conns.lock().remove(&c.name);
+        }
+    }
+
     fn run_conn(self: &Arc<Self>, peer: TcpStream, peer_addr: SocketAddr, up: TcpStream) {
         let name = match up.local_addr() {
             Ok(a) => a.to_string(),
@@ -378,6 +389,7 @@ impl Inner {
             to_server,
             server_gone: AtomicBool::new(false),
             peer_closed: AtomicBool::new(false),
+            halves_done: AtomicU8::new(0),
         });
         self.conns.lock().insert(name.clone(), Arc::clone(&c));
         self.new_conn.notify_waiters();
@@ -398,10 +410,7 @@ impl Inner {
                 }
             }
             let _ = peer_wr.shutdown().await;
-            // The connection is over once nothing can reach the peer.
-            if cw.server_gone.load(Ordering::SeqCst) {
-                inner.conns.lock().remove(&cw.name);
-            }
+            inner.half_done(&cw);
         });
         // Server writer: framed peer bytes.
         tokio::spawn(async move {
@@ -450,6 +459,7 @@ impl Inner {
         });
         // Server reader: raw bytes of the server.
         let cs = Arc::clone(&c);
+        let inner2 = Arc::clone(self);
         tokio::spawn(async move {
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -474,6 +484,7 @@ impl Inner {
             cs.server_gone.store(true, Ordering::SeqCst);
             cs.progress.notify_waiters();
             cs.close_if_done().await;
+            inner2.half_done(&cs);
         });
     }
 }
