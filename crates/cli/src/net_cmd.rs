@@ -75,6 +75,10 @@ pub struct ProxyArgs {
     /// Failure detector: a peer silent this long is dead.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub dead_after: Duration,
+    /// Test hook: stop transactions at this commit-protocol point and print
+    /// `CRASHPOINT <point> <tid>` (a test then kills the proxy).
+    #[arg(long, hide = true)]
+    pub crash_at: Option<weft_tx::CrashPoint>,
 }
 
 /// Flags of `weft net ls`.
@@ -136,10 +140,18 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     if let Some(seed) = a.join.first() {
         b = b.join(Seed::Tcp(resolve(seed)?));
     }
-    let node = b.start().await.context("the proxy node did not start")?;
-    for (tid, conn, n) in proxy.undeliverable() {
-        eprintln!("weft net proxy: {tid} committed {n} bytes for {conn}, lost with that connection when the proxy died");
+    if let Some(point) = a.crash_at {
+        let hook: weft_tx::CrashHook = Arc::new(|point, tid| {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "CRASHPOINT {point:?} {tid}");
+            let _ = out.flush();
+        });
+        b = b.tm_config(weft::TmConfig {
+            crash_at: Some((point, hook)),
+            ..weft::TmConfig::default()
+        });
     }
+    let node = b.start().await.context("the proxy node did not start")?;
     {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(
@@ -156,6 +168,22 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| "-".into()),
             a.upstream
         );
+        // After the ready line: what a previous run prepared and never
+        // released (its peer connection ended with that run).
+        for u in proxy.undeliverable() {
+            let _ = writeln!(
+                out,
+                "UNDELIVERABLE {} {} bytes for {} ({})",
+                u.tid,
+                u.bytes,
+                u.conn,
+                if u.committed {
+                    "committed"
+                } else {
+                    "in doubt at restart"
+                }
+            );
+        }
         let _ = out.flush();
     }
     node_cmd::wait_for_signal().await;

@@ -259,3 +259,46 @@ fn proxy_killed_mid_transaction_the_peer_sees_no_byte_of_it() {
     assert_eq!(String::from_utf8_lossy(&got), "ok a\n");
     let _ = &w.accept;
 }
+
+#[test]
+fn proxy_killed_after_the_decision_before_release_reports_the_output_it_could_not_deliver() {
+    let dir = tempfile::tempdir().unwrap();
+    let accept = format!("127.0.0.1:{}", free_port());
+    let node_listen = format!("127.0.0.1:{}", free_port());
+    let pdir = dir.path().join("proxy");
+    let mut p = proxy(
+        &accept,
+        &pdir,
+        &[
+            "--node-listen",
+            &node_listen,
+            "--crash-at",
+            "participant-phase-two",
+        ],
+    );
+    let listen = format!("127.0.0.1:{}", free_port());
+    let _srv = server(
+        &accept,
+        &listen,
+        &node_listen,
+        &dir.path().join("server"),
+        &[],
+    );
+    let mut peer = TcpStream::connect(peers_addr(&p)).unwrap();
+    peer.write_all(b"a\n").unwrap();
+    // The commit decision reached the proxy; it has not released the answer.
+    let line = p.wait_line("CRASHPOINT");
+    let tid = line.split_whitespace().nth(2).unwrap().to_string();
+    p.kill9();
+    // The peer's connection ended with the proxy: not a byte of the answer.
+    let got = read_all(&mut peer);
+    assert_eq!(String::from_utf8_lossy(&got), "");
+    // The restarted proxy finds the prepared output in its log and says it
+    // could not be delivered.
+    let p2 = proxy(&accept, &pdir, &["--node-listen", &node_listen]);
+    let u = p2.wait_line("UNDELIVERABLE");
+    assert!(
+        u.starts_with(&format!("UNDELIVERABLE {tid} 5 bytes")),
+        "{u}"
+    );
+}

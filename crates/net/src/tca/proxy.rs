@@ -153,9 +153,25 @@ struct Inner {
     by_tid: Mutex<HashMap<Tid, ConnName>>,
     log: OnceLock<Log>,
     bound: OnceLock<SocketAddr>,
-    /// Committed output whose peer connection died with a previous run of
-    /// this proxy (found at recovery).
-    undeliverable: Mutex<Vec<(Tid, ConnName, usize)>>,
+    /// Output of transactions prepared (and committed, or in doubt) whose
+    /// peer connection died with a previous run of this proxy (found at
+    /// recovery).
+    undeliverable: Mutex<Vec<Undeliverable>>,
+}
+
+/// Output a previous run of the proxy prepared and never released: its peer
+/// connection ended with that run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Undeliverable {
+    /// The transaction.
+    pub tid: Tid,
+    /// Its connection.
+    pub conn: ConnName,
+    /// Bytes it held.
+    pub bytes: usize,
+    /// True when recovery knows it committed; false when in doubt (its
+    /// outcome arrives later).
+    pub committed: bool,
 }
 
 /// The 2CA proxy logger, a [`Plugin`] of its node.
@@ -194,7 +210,7 @@ impl NetProxy {
 
     /// Transactions whose committed output could not be delivered because
     /// the proxy died with their peer's connection (from recovery).
-    pub fn undeliverable(&self) -> Vec<(Tid, ConnName, usize)> {
+    pub fn undeliverable(&self) -> Vec<Undeliverable> {
         self.inner.undeliverable.lock().clone()
     }
 }
@@ -658,14 +674,19 @@ impl Plugin for NetProxy {
                 }
             }
         }
-        for (tid, (conn, n)) in prepared {
-            if matches!(
-                tm.recovered(tid),
-                Some(Recovered::Committed) | Some(Recovered::InDoubt)
-            ) {
-                tracing::warn!(%tid, %conn, bytes = n, "net proxy: output of a transaction lost with its peer connection (the proxy died before releasing it)");
-                self.inner.undeliverable.lock().push((tid, conn, n));
-            }
+        for (tid, (conn, bytes)) in prepared {
+            let committed = match tm.recovered(tid) {
+                Some(Recovered::Committed) => true,
+                Some(Recovered::InDoubt) => false,
+                _ => continue,
+            };
+            tracing::warn!(%tid, %conn, bytes, committed, "net proxy: output of a transaction lost with its peer connection (the proxy died before releasing it)");
+            self.inner.undeliverable.lock().push(Undeliverable {
+                tid,
+                conn,
+                bytes,
+                committed,
+            });
         }
         Ok(())
     }
