@@ -356,7 +356,10 @@ impl Inner {
             let (peer, addr) = match listener.accept().await {
                 Ok(x) => x,
                 Err(e) => {
+                    // Out of descriptors or similar: back off instead of
+                    // spinning on the same error.
                     tracing::warn!(error = %e, "net proxy: accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
             };
