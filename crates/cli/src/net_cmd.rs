@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
-use weft::{Node, NodeId, Seed};
+use weft::{Failure, Node, NodeId, Seed, Transaction};
+use weft_net::sma::TxStream;
 use weft_net::tca::proxy::{NetProxy, ProxyConfig};
 use weft_net::tca::server::ProxiedStream;
 use weft_net::tca::{ConnInfo, NetRequest, NetResponse};
@@ -99,9 +100,13 @@ pub struct ServeArgs {
     /// Where the proxy connects (the proxy's --upstream).
     #[arg(long)]
     pub accept: String,
-    /// The proxy's node id.
+    /// The proxy's node id (2CA: the proxy connects to --accept).
+    #[arg(long, required_unless_present = "sma")]
+    pub proxy_node: Option<u32>,
+    /// SMA instead: peers connect to --accept directly and the logger runs
+    /// in this process.
     #[arg(long)]
-    pub proxy_node: u32,
+    pub sma: bool,
     /// Abort every request's first attempt half-way through its answer, then
     /// restart it.
     #[arg(long)]
@@ -252,12 +257,19 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let node = Arc::new(node);
     loop {
         let (tcp, _) = listener.accept().await?;
-        let s = ProxiedStream::new(
-            tcp,
-            node.rpc().clone(),
-            NodeId(a.proxy_node),
-            LoggerConfig::default(),
-        )?;
+        let s = match a.proxy_node.filter(|_| !a.sma) {
+            Some(proxy) => Stream::Tca(ProxiedStream::new(
+                tcp,
+                node.rpc().clone(),
+                NodeId(proxy),
+                LoggerConfig::default(),
+            )?),
+            None => Stream::Sma(TxStream::new(
+                tcp,
+                node.tm().clone(),
+                LoggerConfig::default(),
+            )),
+        };
         let (node, a) = (Arc::clone(&node), Arc::clone(&a));
         tokio::spawn(async move {
             if let Err(e) = serve_conn(&node, &a, s).await {
@@ -267,7 +279,58 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn read_line(s: &ProxiedStream) -> anyhow::Result<Option<Vec<u8>>> {
+/// The served connection, SMA or 2CA.
+enum Stream {
+    Sma(TxStream),
+    Tca(ProxiedStream),
+}
+
+impl Stream {
+    async fn start(&self, tx: &Transaction) -> Result<(), Failure> {
+        match self {
+            Stream::Sma(s) => s.start(tx.tid()),
+            Stream::Tca(s) => s.start(tx).await,
+        }
+    }
+    async fn restart(&self, tx: &Transaction) -> Result<(), Failure> {
+        match self {
+            Stream::Sma(s) => s.restart(tx.tid()),
+            Stream::Tca(s) => s.restart(tx).await,
+        }
+    }
+    async fn abort(&self, tx: Transaction, reason: &str) -> Result<(), Failure> {
+        match self {
+            Stream::Sma(_) => tx.abort(reason).await,
+            Stream::Tca(s) => s.abort(tx, reason).await,
+        }
+    }
+    async fn commit(&self, tx: Transaction) -> Result<(), Failure> {
+        match self {
+            Stream::Sma(_) => tx.commit().await,
+            Stream::Tca(s) => s.commit(tx).await,
+        }
+    }
+    async fn read(&self, buf: &mut [u8]) -> Result<usize, Failure> {
+        match self {
+            Stream::Sma(s) => s.read(buf).await,
+            Stream::Tca(s) => s.read(buf).await,
+        }
+    }
+    async fn write_all(&self, data: &[u8]) -> Result<(), Failure> {
+        match self {
+            Stream::Sma(s) => s.write_all(data).await,
+            Stream::Tca(s) => s.write_all(data).await,
+        }
+    }
+    async fn shutdown(&self) {
+        match self {
+            Stream::Sma(s) => s.shutdown().await,
+            Stream::Tca(s) => s.shutdown().await,
+        }
+    }
+}
+
+async fn read_line(s: &Stream) -> anyhow::Result<Option<Vec<u8>>> {
     let mut line = Vec::new();
     let mut b = [0u8; 1];
     loop {
@@ -281,13 +344,13 @@ async fn read_line(s: &ProxiedStream) -> anyhow::Result<Option<Vec<u8>>> {
     }
 }
 
-async fn serve_conn(node: &Node, a: &ServeArgs, s: ProxiedStream) -> anyhow::Result<()> {
+async fn serve_conn(node: &Node, a: &ServeArgs, s: Stream) -> anyhow::Result<()> {
     let mut n: u64 = 0;
     loop {
         let tx = node.begin();
         s.start(&tx).await?;
         let Some(line) = read_line(&s).await? else {
-            let _ = tx.abort("the peer closed").await;
+            let _ = s.abort(tx, "the peer closed").await;
             s.shutdown().await;
             return Ok(());
         };

@@ -302,3 +302,60 @@ fn proxy_killed_after_the_decision_before_release_reports_the_output_it_could_no
         "{u}"
     );
 }
+
+/// SMA: the peer connects to the server itself; the logger is in its process.
+fn sma_world(extra: &[&str]) -> (tempfile::TempDir, Proc, TcpStream) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("server");
+    let mut args = vec![
+        "net",
+        "serve",
+        "--sma",
+        "--id",
+        "1",
+        "--listen",
+        "127.0.0.1:0",
+        "--accept",
+        "127.0.0.1:0",
+        "--data-dir",
+        d.to_str().unwrap(),
+        "--shm",
+        "off",
+    ];
+    args.extend(extra);
+    let srv = Proc::spawn(&args);
+    let peer = TcpStream::connect(srv.field("accepting on")).unwrap();
+    (dir, srv, peer)
+}
+
+#[test]
+fn sma_server_killed_before_commit_the_peer_gets_only_earlier_commits() {
+    let (_d, mut srv, mut peer) = sma_world(&["--abort-first", "--stop-before-commit", "1"]);
+    peer.write_all(b"a\nb\n").unwrap();
+    srv.wait_line("STOPPED before-commit 1");
+    // The first answer committed and was released.
+    let mut first = [0u8; 5];
+    peer.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"ok a\n");
+    srv.kill9();
+    // The connection ends (closed or reset): nothing of the second
+    // transaction, nor of the aborted attempts, ever arrives.
+    let rest = read_all(&mut peer);
+    assert_eq!(String::from_utf8_lossy(&rest), "");
+}
+
+#[test]
+fn sma_server_killed_after_commit_the_peer_never_sees_an_aborted_byte() {
+    let (_d, mut srv, mut peer) = sma_world(&["--abort-first", "--stop-after-commit", "1"]);
+    peer.write_all(b"a\nb\n").unwrap();
+    srv.wait_line("STOPPED after-commit 1");
+    let mut first = [0u8; 5];
+    peer.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"ok a\n");
+    srv.kill9();
+    let rest = String::from_utf8_lossy(&read_all(&mut peer)).to_string();
+    // SMA makes no durability claim: the second answer was handed to the
+    // connection's writer at commit and may or may not have left before the
+    // kill (or a reset may discard it at the peer); nothing else may appear.
+    assert!(rest.is_empty() || rest == "ok b\n", "{rest:?}");
+}
