@@ -8,6 +8,7 @@ mod client;
 mod demo;
 mod group_cmd;
 mod kv_cmd;
+mod net_cmd;
 mod node_cmd;
 mod raid_acks;
 mod raid_cmd;
@@ -51,6 +52,10 @@ enum Cmd {
     /// Benchmarks against same-run baselines.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Transactional TCP to unmodified peers: the 2CA proxy logger, its
+    /// connections.
+    #[command(subcommand)]
+    Net(net_cmd::NetCmd),
 }
 
 fn main() {
@@ -82,6 +87,7 @@ fn main() {
             Cmd::Kv(c) => kv_cmd::run(c).await,
             Cmd::Group(a) => group_cmd::run(a).await,
             Cmd::Bench(c) => bench::run(c).await,
+            Cmd::Net(c) => net_cmd::run(c).await,
         }
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));

@@ -7,6 +7,7 @@
 pub mod commit;
 pub mod debitcredit;
 pub mod log;
+pub mod net;
 pub mod plot;
 pub mod rpc;
 pub mod rpc_shm;
@@ -37,6 +38,9 @@ pub enum BenchCmd {
     /// DebitCredit for a long time: memory, throughput and checkpoint
     /// times over time, and an audit at the end.
     Soak(soak::SoakArgs),
+    /// The Transactional Network Interface experiment (seed 001, section
+    /// 3.2): tx/s of SMA and 2CA against a non-transactional baseline.
+    Net(net::NetArgs),
 }
 
 /// Runs a benchmark.
@@ -48,6 +52,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Debitcredit(a) => debitcredit::run(a).await,
         BenchCmd::Group(a) => crate::group_cmd::run_bench(a).await,
         BenchCmd::Soak(a) => soak::run(a).await,
+        BenchCmd::Net(a) => net::run(a).await,
     }
 }
 

@@ -1,0 +1,600 @@
+//! `weft bench net`: the Transactional Network Interface paper's section 3.2
+//! experiment. One connection, 100 transactions; a request of a few tens of
+//! bytes and a 100 KB response; compute C per committed attempt and C/2 per
+//! aborted one; aborts exactly half-way through the response, at most once
+//! per transaction, chosen at random (seeded); first-attempt commit
+//! percentages 0..100. Each architecture runs on the same path as a
+//! non-transactional baseline measured in the same run: peer → a user-space
+//! link (one-way delay, bandwidth) → [2CA proxy →] server.
+//!
+//! Owns the workload, the emulated link, the measures (tx/s, mean/min/max
+//! time per transaction, r(c) = tx/s ÷ the baseline's, the communication
+//! cost split and its linear fit) and the chart. Must never count a run
+//! whose peer received a wrong byte: the peer checks every response.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use plotters::prelude::*;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde_json::{json, Map, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use weft::{Node, NodeId, Seed};
+use weft_net::sma::TxStream;
+use weft_net::tca::proxy::{NetProxy, ProxyConfig};
+use weft_net::tca::server::ProxiedStream;
+use weft_net::LoggerConfig;
+
+use super::{check, r2, write_json};
+
+/// Flags of `weft bench net`.
+#[derive(clap::Args, Debug)]
+pub struct NetArgs {
+    /// Architectures: sma, 2ca (tla is not built: see docs/net.md).
+    #[arg(long, value_delimiter = ',', default_value = "sma,2ca")]
+    pub arch: Vec<String>,
+    /// One-way delays of the emulated link, in ms (the paper's WAN: 35, 127).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub delay_ms: Vec<u64>,
+    /// First-attempt commit percentages.
+    #[arg(long, value_delimiter = ',', default_value = "0,16,41,57,84,100")]
+    pub pcts: Vec<u32>,
+    /// Transactions per run.
+    #[arg(long, default_value_t = 100)]
+    pub txs: usize,
+    /// Compute time of a committed attempt, ms (an aborted one: half). The
+    /// paper's 30 ms scaled down; with the default link the ratio of compute
+    /// to transfer stays the paper's (about 30:12).
+    #[arg(long, default_value_t = 20.0)]
+    pub compute_ms: f64,
+    /// Response size in KB.
+    #[arg(long, default_value_t = 100)]
+    pub response_kb: usize,
+    /// Bandwidth of the emulated link in Mbit/s (0: unlimited), the paper's
+    /// 100 Mbit/s LAN by default.
+    #[arg(long, default_value_t = 100.0)]
+    pub bandwidth_mbps: f64,
+    /// Seed of the abort choice (printed; random when absent).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw r(c) per architecture here (PNG, like the paper's Fig. 4).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+const REQUEST: usize = 40;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Arch {
+    Baseline,
+    Sma,
+    Tca,
+}
+
+impl Arch {
+    fn key(self) -> &'static str {
+        match self {
+            Arch::Baseline => "baseline",
+            Arch::Sma => "sma",
+            Arch::Tca => "2ca",
+        }
+    }
+}
+
+/// The response of transaction `i` (the peer checks it byte for byte).
+fn response(i: usize, len: usize) -> Vec<u8> {
+    let mut v = vec![b'r'; len];
+    let tag = format!("resp {i:08} ");
+    v[..tag.len()].copy_from_slice(tag.as_bytes());
+    v
+}
+
+fn request(i: usize) -> Vec<u8> {
+    let mut v = format!("req {i:08}").into_bytes();
+    v.resize(REQUEST, b' ');
+    v
+}
+
+// ---- the emulated link ----
+
+/// A user-space link in front of `target`: each direction delivers a chunk
+/// `delay` after it finished crossing a `mbps` wire (no netem here).
+async fn link(target: SocketAddr, delay: Duration, mbps: f64) -> anyhow::Result<SocketAddr> {
+    let l = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = l.local_addr()?;
+    tokio::spawn(async move {
+        let Ok((a, _)) = l.accept().await else { return };
+        let Ok(b) = TcpStream::connect(target).await else {
+            return;
+        };
+        let _ = a.set_nodelay(true);
+        let _ = b.set_nodelay(true);
+        let (ar, aw) = a.into_split();
+        let (br, bw) = b.into_split();
+        tokio::spawn(one_way(ar, bw, delay, mbps));
+        tokio::spawn(one_way(br, aw, delay, mbps));
+    });
+    Ok(addr)
+}
+
+async fn one_way(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+    mbps: f64,
+) {
+    let (tx, mut rx) = mpsc::channel::<(tokio::time::Instant, Vec<u8>)>(1024);
+    tokio::spawn(async move {
+        while let Some((at, b)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if wr.write_all(&b).await.is_err() {
+                return;
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut wire_free = tokio::time::Instant::now();
+    loop {
+        let n = match rd.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        let now = tokio::time::Instant::now();
+        let serialise = if mbps > 0.0 {
+            Duration::from_secs_f64(n as f64 * 8.0 / (mbps * 1e6))
+        } else {
+            Duration::ZERO
+        };
+        wire_free = wire_free.max(now) + serialise;
+        if tx
+            .send((wire_free + delay, buf[..n].to_vec()))
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+// ---- one run ----
+
+struct RunResult {
+    tps: f64,
+    times_ms: Vec<f64>,
+    compute_ms: f64,
+    control_ms: f64,
+}
+
+struct Plan {
+    txs: usize,
+    resp: usize,
+    compute: Duration,
+    /// Transactions whose first attempt aborts.
+    aborts: Vec<bool>,
+}
+
+/// Runs the peer against `entry`; returns per-transaction times.
+async fn peer(entry: SocketAddr, plan: &Plan) -> anyhow::Result<(Vec<f64>, Duration)> {
+    let mut s = TcpStream::connect(entry).await?;
+    s.set_nodelay(true)?;
+    let mut buf = vec![0u8; plan.resp];
+    let mut times = Vec::with_capacity(plan.txs);
+    let start = Instant::now();
+    for i in 0..plan.txs {
+        let t0 = Instant::now();
+        s.write_all(&request(i)).await?;
+        s.read_exact(&mut buf)
+            .await
+            .with_context(|| format!("response {i}"))?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        if buf != response(i, plan.resp) {
+            bail!("transaction {i}: the peer received other bytes than the committed response");
+        }
+    }
+    let total = start.elapsed();
+    Ok((times, total))
+}
+
+/// Time the server spent in compute and in transaction control (start,
+/// restart, commit) over a run.
+#[derive(Default)]
+struct Spent {
+    compute: Duration,
+    control: Duration,
+}
+
+async fn compute(d: Duration, spent: &mut Duration) {
+    let t = Instant::now();
+    tokio::time::sleep(d).await;
+    *spent += t.elapsed();
+}
+
+async fn run_baseline(l: &TcpListener, plan: &Plan) -> anyhow::Result<Spent> {
+    let (mut s, _) = l.accept().await?;
+    s.set_nodelay(true)?;
+    let mut req = [0u8; REQUEST];
+    let mut spent = Spent::default();
+    for i in 0..plan.txs {
+        s.read_exact(&mut req).await?;
+        compute(plan.compute, &mut spent.compute).await;
+        s.write_all(&response(i, plan.resp)).await?;
+    }
+    Ok(spent)
+}
+
+async fn run_sma(node: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<Spent> {
+    let (tcp, _) = l.accept().await?;
+    let s = TxStream::new(tcp, node.tm().clone(), LoggerConfig::default());
+    let mut req = [0u8; REQUEST];
+    let mut spent = Spent::default();
+    for i in 0..plan.txs {
+        let resp = response(i, plan.resp);
+        let mut tx = node.begin();
+        s.start(tx.tid())?;
+        s.read_exact(&mut req).await?;
+        if plan.aborts[i] {
+            compute(plan.compute / 2, &mut spent.compute).await;
+            s.write_all(&vec![b'X'; plan.resp / 2]).await?;
+            let t = Instant::now();
+            tx.abort("aborted half-way (benchmark)").await?;
+            tx = node.begin();
+            s.restart(tx.tid())?;
+            spent.control += t.elapsed();
+            s.read_exact(&mut req).await?;
+        }
+        compute(plan.compute, &mut spent.compute).await;
+        s.write_all(&resp).await?;
+        let t = Instant::now();
+        tx.commit().await?;
+        spent.control += t.elapsed();
+    }
+    s.shutdown().await;
+    Ok(spent)
+}
+
+async fn run_tca(server: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<Spent> {
+    let (tcp, _) = l.accept().await?;
+    let s = ProxiedStream::new(
+        tcp,
+        server.rpc().clone(),
+        NodeId(1),
+        LoggerConfig::default(),
+    )?;
+    let mut req = [0u8; REQUEST];
+    let mut spent = Spent::default();
+    for i in 0..plan.txs {
+        let resp = response(i, plan.resp);
+        let mut tx = server.begin();
+        let t = Instant::now();
+        s.start(&tx).await?;
+        spent.control += t.elapsed();
+        s.read_exact(&mut req).await?;
+        if plan.aborts[i] {
+            compute(plan.compute / 2, &mut spent.compute).await;
+            s.write_all(&vec![b'X'; plan.resp / 2]).await?;
+            let t = Instant::now();
+            s.abort(tx, "aborted half-way (benchmark)").await?;
+            tx = server.begin();
+            s.restart(&tx).await?;
+            spent.control += t.elapsed();
+            s.read_exact(&mut req).await?;
+        }
+        compute(plan.compute, &mut spent.compute).await;
+        s.write_all(&resp).await?;
+        let t = Instant::now();
+        s.commit(tx).await?;
+        spent.control += t.elapsed();
+    }
+    s.shutdown().await;
+    Ok(spent)
+}
+
+/// The nodes and listeners every run of the process shares.
+struct Setup {
+    _dir: tempfile::TempDir,
+    sma: Node,
+    proxy_node: Node,
+    proxy: NetProxy,
+    server: Node,
+    /// Where the 2CA server accepts the proxy's connections.
+    tca_upstream: TcpListener,
+}
+
+async fn setup() -> anyhow::Result<Setup> {
+    let dir = tempfile::tempdir()?;
+    let local: SocketAddr = "127.0.0.1:0".parse()?;
+    let sma = Node::builder(3)
+        .data_dir(dir.path().join("sma"))
+        .start()
+        .await?;
+    let tca_upstream = TcpListener::bind(local).await?;
+    let proxy = NetProxy::new(ProxyConfig::new(local, tca_upstream.local_addr()?));
+    let proxy_node = Node::builder(1)
+        .listen(local)
+        .data_dir(dir.path().join("proxy"))
+        .plugin(Arc::new(proxy.clone()))
+        .start()
+        .await?;
+    let server = Node::builder(2)
+        .listen(local)
+        .data_dir(dir.path().join("server"))
+        .join(Seed::Tcp(proxy_node.addr().context("proxy node address")?))
+        .start()
+        .await?;
+    Ok(Setup {
+        _dir: dir,
+        sma,
+        proxy_node,
+        proxy,
+        server,
+        tca_upstream,
+    })
+}
+
+async fn one_run(
+    arch: Arch,
+    st: &Setup,
+    delay: Duration,
+    mbps: f64,
+    plan: &Plan,
+) -> anyhow::Result<RunResult> {
+    let l = TcpListener::bind("127.0.0.1:0").await?;
+    let target = match arch {
+        Arch::Tca => st.proxy.listen_addr().context("proxy listening")?,
+        _ => l.local_addr()?,
+    };
+    let entry = link(target, delay, mbps).await?;
+    let server = async {
+        match arch {
+            Arch::Baseline => run_baseline(&l, plan).await,
+            Arch::Sma => run_sma(&st.sma, &l, plan).await,
+            Arch::Tca => run_tca(&st.server, &st.tca_upstream, plan).await,
+        }
+    };
+    let (srv, peer) = tokio::join!(server, peer(entry, plan));
+    let spent = srv.with_context(|| format!("{} server", arch.key()))?;
+    let (times, total) = peer.with_context(|| format!("{} peer", arch.key()))?;
+    Ok(RunResult {
+        tps: plan.txs as f64 / total.as_secs_f64(),
+        compute_ms: spent.compute.as_secs_f64() * 1e3 / plan.txs as f64,
+        control_ms: spent.control.as_secs_f64() * 1e3 / plan.txs as f64,
+        times_ms: times,
+    })
+}
+
+/// Least-squares line y = a + b·x, and R².
+fn fit(points: &[(f64, f64)]) -> (f64, f64, f64) {
+    let n = points.len() as f64;
+    if n < 2.0 {
+        return (points.first().map_or(0.0, |p| p.1), 0.0, 1.0);
+    }
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let syy: f64 = points.iter().map(|p| (p.1 - my).powi(2)).sum();
+    let b = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    let a = my - b * mx;
+    let r2v = if sxx > 0.0 && syy > 0.0 {
+        sxy * sxy / (sxx * syy)
+    } else {
+        1.0
+    };
+    (a, b, r2v)
+}
+
+/// Runs `weft bench net`.
+pub async fn run(a: NetArgs) -> anyhow::Result<()> {
+    let mut archs = Vec::new();
+    for name in &a.arch {
+        match name.as_str() {
+            "sma" => archs.push(Arch::Sma),
+            "2ca" => archs.push(Arch::Tca),
+            "tla" => eprintln!(
+                "weft bench net: tla is not part of this build (see docs/net.md); skipped"
+            ),
+            other => bail!("unknown architecture {other:?} (sma, 2ca)"),
+        }
+    }
+    if archs.is_empty() {
+        bail!("no architecture to run");
+    }
+    if a.txs == 0 || a.pcts.iter().any(|p| *p > 100) {
+        bail!("--txs must be at least 1 and percentages at most 100");
+    }
+    let seed = a.seed.unwrap_or_else(rand::random);
+    println!(
+        "weft bench net: {} transactions, {}-byte requests, {} KB responses, compute {} ms (aborted attempts {} ms), link {} Mbit/s, seed {seed}",
+        a.txs,
+        REQUEST,
+        a.response_kb,
+        a.compute_ms,
+        a.compute_ms / 2.0,
+        if a.bandwidth_mbps > 0.0 { a.bandwidth_mbps.to_string() } else { "unlimited".into() },
+    );
+    let st = setup().await?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let compute = Duration::from_secs_f64(a.compute_ms / 1e3);
+    let resp = a.response_kb * 1024;
+    let mut report = Map::new();
+    report.insert("seed".into(), json!(seed));
+    report.insert("txs".into(), json!(a.txs));
+    report.insert("compute_ms".into(), json!(a.compute_ms));
+    report.insert("response_bytes".into(), json!(resp));
+    report.insert("bandwidth_mbps".into(), json!(a.bandwidth_mbps));
+    let mut all_ok = true;
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    let total_runs = a.delay_ms.len() * (1 + archs.len() * a.pcts.len());
+    let mut done = 0;
+    for &d in &a.delay_ms {
+        let delay = Duration::from_millis(d);
+        let suffix = if a.delay_ms.len() > 1 || d > 0 {
+            format!("_d{d}")
+        } else {
+            String::new()
+        };
+        let plan = Plan {
+            txs: a.txs,
+            resp,
+            compute,
+            aborts: vec![false; a.txs],
+        };
+        done += 1;
+        eprintln!("[{done}/{total_runs}] baseline, delay {d} ms ...");
+        let base = one_run(Arch::Baseline, &st, delay, a.bandwidth_mbps, &plan).await?;
+        println!(
+            "
+delay {d} ms one way: non-transactional baseline {:.2} tx/s",
+            base.tps
+        );
+        report.insert(format!("baseline_tps{suffix}"), json!(r2(base.tps)));
+        println!(
+            "  {:<5} {:>6} {:>8} {:>8} {:>8} {:>8} {:>7} {:>10} {:>10} {:>10}",
+            "arch",
+            "commit",
+            "tx/s",
+            "ave ms",
+            "min ms",
+            "max ms",
+            "r",
+            "compute ms",
+            "comm ms",
+            "control ms"
+        );
+        for &arch in &archs {
+            let mut points = Vec::new();
+            let mut comm = Vec::new();
+            for &pct in &a.pcts {
+                let committed_first = ((pct as f64 / 100.0) * a.txs as f64).round() as usize;
+                let mut aborts: Vec<bool> = (0..a.txs).map(|i| i >= committed_first).collect();
+                aborts.shuffle(&mut rng);
+                let plan = Plan {
+                    txs: a.txs,
+                    resp,
+                    compute,
+                    aborts,
+                };
+                done += 1;
+                eprintln!(
+                    "[{done}/{total_runs}] {} at {pct}% first-attempt commits, delay {d} ms ...",
+                    arch.key()
+                );
+                let r = one_run(arch, &st, delay, a.bandwidth_mbps, &plan).await?;
+                let ave = r.times_ms.iter().sum::<f64>() / r.times_ms.len() as f64;
+                let min = r.times_ms.iter().cloned().fold(f64::INFINITY, f64::min);
+                let max = r.times_ms.iter().cloned().fold(0.0, f64::max);
+                let ratio = r.tps / base.tps;
+                let comm_ms = ave - r.compute_ms;
+                println!(
+                    "  {:<5} {:>5}% {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7.4} {:>10.2} {:>10.2} {:>10.2}",
+                    arch.key(), pct, r.tps, ave, min, max, ratio, r.compute_ms, comm_ms, r.control_ms
+                );
+                let k = format!("{}_{pct}{suffix}", arch.key());
+                report.insert(format!("r_{k}"), json!((ratio * 1e4).round() / 1e4));
+                report.insert(format!("tps_{k}"), json!(r2(r.tps)));
+                report.insert(
+                    format!("time_ms_{k}"),
+                    json!({"ave": r2(ave), "min": r2(min), "max": r2(max)}),
+                );
+                report.insert(
+                    format!("cost_ms_{k}"),
+                    json!({"compute": r2(r.compute_ms), "communication": r2(comm_ms), "server_control": r2(r.control_ms)}),
+                );
+                points.push((pct as f64, ratio));
+                comm.push((1.0 - pct as f64 / 100.0, comm_ms));
+                if pct == 100 && d == 0 {
+                    let bound = if arch == Arch::Sma || arch == Arch::Tca {
+                        0.99
+                    } else {
+                        0.98
+                    };
+                    all_ok &= check(&format!("r_{}_100", arch.key()), ratio, ">=", bound);
+                }
+            }
+            let (ia, slope, rsq) = fit(&comm);
+            println!(
+                "  {} communication cost vs abort fraction f: {:.2} + {:.2}·f ms (R² {:.3})",
+                arch.key(),
+                ia,
+                slope,
+                rsq
+            );
+            report.insert(
+                format!("comm_fit_{}{suffix}", arch.key()),
+                json!({"intercept_ms": r2(ia), "slope_ms": r2(slope), "r2": (rsq * 1e3).round() / 1e3}),
+            );
+            series.push((
+                format!("{} (delay {d} ms)", arch.key().to_uppercase()),
+                points,
+            ));
+        }
+    }
+    report.insert("targets_met".into(), json!(all_ok));
+    st.server.shutdown().await;
+    st.proxy_node.shutdown().await;
+    st.sma.shutdown().await;
+    if let Some(p) = &a.json {
+        write_json(p, &Value::Object(report))?;
+    }
+    if let Some(p) = &a.plot {
+        plot(p, &series)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+/// r(c) per architecture against the first-attempt commit percentage.
+fn plot(path: &std::path::Path, series: &[(String, Vec<(f64, f64)>)]) -> anyhow::Result<()> {
+    super::plot::ensure_font()?;
+    let lo = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.1))
+        .fold(1.0f64, f64::min)
+        .min(0.5);
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).context("drawing")?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("r(c): tx/s ÷ non-transactional tx/s", ("sans-serif", 22))
+        .margin(20)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..100f64, (lo - 0.05)..1.05f64)
+        .context("drawing")?;
+    chart
+        .configure_mesh()
+        .x_desc("first-attempt commits (%)")
+        .y_desc("r")
+        .draw()
+        .context("drawing")?;
+    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        chart
+            .draw_series(LineSeries::new(pts.iter().cloned(), c.stroke_width(2)))
+            .context("drawing")?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))
+            .context("drawing")?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .context("drawing")?;
+    root.present().context("writing the chart")?;
+    Ok(())
+}
