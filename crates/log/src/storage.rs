@@ -26,6 +26,10 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     fn read_all(&self) -> io::Result<Vec<u8>>;
     /// The file's length in bytes.
     fn len(&self) -> io::Result<u64>;
+    /// True when the file holds no byte.
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
+    }
     /// Cuts or extends the file to `len` bytes.
     fn set_len(&self, len: u64) -> io::Result<()>;
     /// Makes sure the file has `size` bytes allocated (its length becomes at least `size`).
