@@ -52,6 +52,9 @@ pub enum Op {
     Insert(Bytes, Bytes),
 }
 
+/// What a transaction does at each node (by node index).
+pub type Plan = Vec<(usize, Vec<Op>)>;
+
 /// The key of bank account `idx` held by node `node` (0-based).
 pub fn bank_key(node: usize, idx: u8) -> Bytes {
     Bytes::from(vec![b'B', node as u8, idx])
@@ -173,7 +176,7 @@ pub(crate) struct Checker {
     dc_accounts: u64,
     dc_tellers: u64,
     dc: Image,
-    intents: BTreeMap<Tid, (Kind, Vec<(usize, Vec<Op>)>)>,
+    intents: BTreeMap<Tid, (Kind, Plan)>,
     committed_at: BTreeMap<Tid, BTreeSet<usize>>,
     aborted_at: BTreeMap<Tid, BTreeSet<usize>>,
     acked: BTreeSet<Tid>,
@@ -230,7 +233,7 @@ impl Checker {
         rng: &mut ChaCha8Rng,
         tid: Tid,
         nodes: usize,
-    ) -> (Kind, Vec<(usize, Vec<Op>)>) {
+    ) -> (Kind, Plan) {
         let mut by_node: BTreeMap<usize, Vec<Op>> = BTreeMap::new();
         let r: f64 = rng.gen();
         let kind = if r < 0.5 {
@@ -282,7 +285,7 @@ impl Checker {
                 }
             }
         }
-        let plan: Vec<(usize, Vec<Op>)> = by_node.into_iter().collect();
+        let plan: Plan = by_node.into_iter().collect();
         self.intents.insert(tid, (kind, plan.clone()));
         (kind, plan)
     }
@@ -325,7 +328,14 @@ impl Checker {
     }
 
     /// The client of `tid` was told `outcome`.
-    pub(crate) fn finished(&mut self, tid: Tid, outcome: Outcome, kind: Kind, reads: &[i64], at: u64) {
+    pub(crate) fn finished(
+        &mut self,
+        tid: Tid,
+        outcome: Outcome,
+        kind: Kind,
+        reads: &[i64],
+        at: u64,
+    ) {
         match outcome {
             Outcome::Committed => {
                 self.committed += 1;
@@ -419,9 +429,8 @@ impl Checker {
             .iter()
             .flat_map(|(id, s)| {
                 let i = id.0 as usize - 1;
-                (0..self.accounts).filter_map(move |a| {
-                    s.committed(&bank_key(i, a)).and_then(|v| parse_int(v))
-                })
+                (0..self.accounts)
+                    .filter_map(move |a| s.committed(&bank_key(i, a)).and_then(|v| parse_int(v)))
             })
             .sum();
         if stores.len() == self.nodes && total != self.total() {

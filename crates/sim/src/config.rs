@@ -43,6 +43,22 @@ pub struct SimConfig {
     pub segment_size: u64,
     /// Keep every event line (for `--trace`), not just the last ones.
     pub trace: bool,
+    /// A bug planted in the simulated nodes' driver, to show that the checkers catch it.
+    pub sabotage: Sabotage,
+}
+
+/// A deliberate bug in how the simulator drives the nodes (never in a real run): the
+/// checkers must catch each one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sabotage {
+    /// No bug.
+    #[default]
+    None,
+    /// A participant votes Yes without forcing its prepare record (the force is skipped and
+    /// reported done).
+    SkipPrepareForce,
+    /// A node answers Committed to an inquiry about a transaction it has no record of.
+    CommitForgotten,
 }
 
 impl Default for SimConfig {
@@ -67,6 +83,7 @@ impl Default for SimConfig {
             checkpoint_gap_micros: 400_000,
             segment_size: 8 << 10,
             trace: false,
+            sabotage: Sabotage::None,
         }
     }
 }

@@ -49,7 +49,7 @@ mod world;
 
 use std::time::Instant;
 
-pub use config::SimConfig;
+pub use config::{Sabotage, SimConfig};
 pub use report::{Coverage, CrashPoint, FaultKind, SeedReport, Violation};
 
 /// Runs one seed and checks it. Never panics on a protocol failure: violations are in the
@@ -89,13 +89,13 @@ impl BatchReport {
     }
 }
 
-/// Runs seeds `from..from + count`, calling `progress(done, report)` after each.
-/// Fails only when `cfg` is invalid.
+/// Runs seeds `from..from + count`, calling `progress(done, report)` after each; stops early
+/// when it returns false. Fails only when `cfg` is invalid.
 pub fn run_batch(
     from: u64,
     count: u64,
     cfg: &SimConfig,
-    mut progress: impl FnMut(u64, &SeedReport),
+    mut progress: impl FnMut(u64, &SeedReport) -> bool,
 ) -> Result<BatchReport, String> {
     cfg.validate()?;
     let started = Instant::now();
@@ -104,9 +104,12 @@ pub fn run_batch(
         let r = world::Sim::new(seed, cfg.clone()).run(seed);
         out.coverage.merge(&r.coverage);
         out.seeds += 1;
-        progress(done as u64 + 1, &r);
+        let go_on = progress(done as u64 + 1, &r);
         if !r.passed() {
             out.failures.push(r);
+        }
+        if !go_on {
+            break;
         }
     }
     out.wall_secs = started.elapsed().as_secs_f64();

@@ -35,8 +35,8 @@ use weft_tx::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
 use weft_wire::{Incarnation, NodeId, Status, Tid, Xid};
 
 use crate::check::{self, Checker, Kind, Op};
-use crate::config::SimConfig;
-use crate::report::{CrashPoint, Coverage, FaultKind, SeedReport, Violation};
+use crate::config::{Sabotage, SimConfig};
+use crate::report::{Coverage, CrashPoint, FaultKind, SeedReport, Violation};
 
 /// Lines of history kept for a failure report when tracing is off.
 const HISTORY_KEPT: usize = 400;
@@ -69,14 +69,30 @@ enum Msg {
 
 #[derive(Debug)]
 enum Ev {
-    Deliver { from: usize, to: usize, msg: Msg },
+    Deliver {
+        from: usize,
+        to: usize,
+        msg: Msg,
+    },
     Tick(usize),
     StartTx,
-    CallTimeout { node: usize, inc: Incarnation, tid: Tid },
-    Forced { node: usize, inc: Incarnation, tid: Tid },
+    CallTimeout {
+        node: usize,
+        inc: Incarnation,
+        tid: Tid,
+    },
+    Forced {
+        node: usize,
+        inc: Incarnation,
+        tid: Tid,
+    },
     Crash,
     Restart(usize),
-    PeerDead { node: usize, dead: NodeId, before: u64 },
+    PeerDead {
+        node: usize,
+        dead: NodeId,
+        before: u64,
+    },
     Cut,
     Heal(usize, usize),
     DiskFault,
@@ -637,7 +653,10 @@ impl Sim {
                 return;
             }
             Err(e) => {
-                self.violation("recovery", format!("n{}: the log does not open: {e}", i + 1));
+                self.violation(
+                    "recovery",
+                    format!("n{}: the log does not open: {e}", i + 1),
+                );
                 return;
             }
         };
@@ -679,9 +698,10 @@ impl Sim {
                 Ok(KvRecord::Prepared { tid, writes }) => {
                     store.restore_prepared(tid, r.lsn.get(), writes)
                 }
-                Err(e) => {
-                    self.violation("recovery", format!("n{}: undecodable kv record: {e}", i + 1))
-                }
+                Err(e) => self.violation(
+                    "recovery",
+                    format!("n{}: undecodable kv record: {e}", i + 1),
+                ),
             }
         }
         let tm = check::tm_recovery(&rec.records);
@@ -695,8 +715,7 @@ impl Sim {
                 }
                 Some(check::Verdict::InDoubt) => {
                     for key in store.prepared_keys(tid) {
-                        if let Err(e) = locks.try_acquire(Xid::top(tid), key, LockMode::Exclusive)
-                        {
+                        if let Err(e) = locks.try_acquire(Xid::top(tid), key, LockMode::Exclusive) {
                             self.violation(
                                 "recovery",
                                 format!("n{}: relocking in-doubt {tid}: {e}", i + 1),
@@ -836,10 +855,13 @@ impl Sim {
             {
                 return;
             }
-            if forced && coordinator && actions.iter().any(|a| matches!(a, Action::CommitLocal)) {
-                if self.point(i, CrashPoint::CoordinatorAfterCommitForce) {
-                    return;
-                }
+            if forced
+                && coordinator
+                && actions.iter().any(|a| matches!(a, Action::CommitLocal))
+                && self.point(i, CrashPoint::CoordinatorAfterCommitForce)
+            {
+                return;
+            }
             }
             if forced
                 && !coordinator
@@ -890,9 +912,14 @@ impl Sim {
                 if let Some(b) = self.nodes[i].txs.get_mut(&tid) {
                     b.first_lsn.get_or_insert(lsn);
                 }
+                let skip = self.cfg.sabotage == Sabotage::SkipPrepareForce
+                    && matches!(rec, TmRecord::Prepared { .. });
                 match durability {
                     Durability::Force => {
-                        if let Err(e) = log.force_blocking(lsn) {
+                        if skip {
+                            let inc = self.nodes[i].inc;
+                            self.at(1, Ev::Forced { node: i, inc, tid });
+                        } else if let Err(e) = log.force_blocking(lsn) {
                             self.log_failed(i, "force", e);
                             return false;
                         }
@@ -928,7 +955,8 @@ impl Sim {
             Action::Finished(outcome) => {
                 if let Some(c) = self.nodes[i].clients.remove(&tid) {
                     self.hist(|| format!("n{} {tid} {:?} -> client", i + 1, outcome));
-                    self.check.finished(tid, outcome, c.kind, &c.reads, self.now);
+                    self.check
+                        .finished(tid, outcome, c.kind, &c.reads, self.now);
                 }
             }
             Action::Forget(outcome) => {
@@ -1085,6 +1113,7 @@ impl Sim {
                     Some(b) => b.core.answer(),
                     None => match node.tombs.get(&tid) {
                         Some(Some(Outcome::Committed)) => Answer::Committed,
+                        None if self.cfg.sabotage == Sabotage::CommitForgotten => Answer::Committed,
                         // Presumed abort: no record means abort.
                         _ => Answer::Aborted,
                     },
@@ -1283,14 +1312,7 @@ impl Sim {
             .is_some_and(|cl| !cl.pending.is_empty());
         if pending {
             let inc = self.nodes[c].inc;
-            self.at(
-                CALL_TIMEOUT_MICROS,
-                Ev::CallTimeout {
-                    node: c,
-                    inc,
-                    tid,
-                },
-            );
+            self.at(CALL_TIMEOUT_MICROS, Ev::CallTimeout { node: c, inc, tid });
         } else {
             if let Some(cl) = self.nodes[c].clients.get_mut(&tid) {
                 cl.decided = true;
