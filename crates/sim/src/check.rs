@@ -228,12 +228,7 @@ impl Checker {
     }
 
     /// Chooses the next transaction and records what it will do, per node.
-    pub(crate) fn plan(
-        &mut self,
-        rng: &mut ChaCha8Rng,
-        tid: Tid,
-        nodes: usize,
-    ) -> (Kind, Plan) {
+    pub(crate) fn plan(&mut self, rng: &mut ChaCha8Rng, tid: Tid, nodes: usize) -> (Kind, Plan) {
         let mut by_node: BTreeMap<usize, Vec<Op>> = BTreeMap::new();
         let r: f64 = rng.gen();
         let kind = if r < 0.5 {

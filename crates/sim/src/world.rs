@@ -862,7 +862,6 @@ impl Sim {
             {
                 return;
             }
-            }
             if forced
                 && !coordinator
                 && actions.iter().any(|a| {
