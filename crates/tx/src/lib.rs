@@ -8,6 +8,7 @@
 pub mod core;
 pub mod manager;
 pub mod msg;
+pub mod node;
 pub mod recovery;
 pub mod resource;
 
