@@ -42,7 +42,7 @@
 //!   coordinator may still collect votes, which stops at the transaction's
 //!   deadline (a coordinator still preparing at its deadline aborts), so
 //!   its tombstone is kept at least that long. When the cap forces out a
-//!   tombstone still inside that window, [`TmStats::tombstones_evicted_early`]
+//!   tombstone still inside that window, [`Bookkeeping::tombstones_evicted_early`]
 //!   counts it (size the cap to the rate times the window);
 //! - everything else (running calls' leftovers, held votes, pending
 //!   enlistments, votes waiting on other commit records) belongs to a live
@@ -281,12 +281,23 @@ pub struct TmStats {
     pub forced_records: u64,
     /// Protocol messages sent.
     pub messages: u64,
+}
+
+/// The size of the transaction manager's bookkeeping and what its limits
+/// did (kept apart from [`TmStats`], whose encoding is part of the status
+/// service's wire format).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bookkeeping {
+    /// Live transactions.
+    pub live: usize,
+    /// Remembered tombstones.
+    pub tombstones: usize,
+    /// Held steps, lingering calls, pending enlistments, waiting votes.
+    pub side_tables: usize,
     /// Transactions refused because [`NodeConfig::max_live`] were live.
-    #[serde(default)]
     pub refused_live_limit: u64,
     /// Tombstones forced out by the cap before their retention window
     /// ended.
-    #[serde(default)]
     pub tombstones_evicted_early: u64,
 }
 
@@ -649,9 +660,12 @@ struct Hold<R> {
     resources: Vec<R>,
 }
 
-/// A running call whose transaction was forgotten here while it ran.
+/// A running call (or a resource's prepare) whose transaction was
+/// forgotten here while it ran: when it ends, the resources hear the abort
+/// again, so that nothing it did outlives the branch.
 struct Lingering<R> {
     calls: usize,
+    preparing: bool,
     aborted: bool,
     resources: Vec<R>,
 }
@@ -696,6 +710,8 @@ pub struct TmCore<R: ResourceRef> {
     /// Durable position as last reported.
     durable: Lsn,
     stats: TmStats,
+    refused_live_limit: u64,
+    tombstones_evicted_early: u64,
 }
 
 fn phase_name(p: &Phase) -> &'static str {
@@ -776,6 +792,8 @@ impl<R: ResourceRef> TmCore<R> {
             early_released: Lsn(0),
             durable: Lsn(0),
             stats: TmStats::default(),
+            refused_live_limit: 0,
+            tombstones_evicted_early: 0,
         }
     }
 
@@ -829,6 +847,17 @@ impl<R: ResourceRef> TmCore<R> {
     /// Counters.
     pub fn stats(&self) -> TmStats {
         self.stats
+    }
+
+    /// The size of the bookkeeping and what the limits did.
+    pub fn bookkeeping(&self) -> Bookkeeping {
+        Bookkeeping {
+            live: self.txs.len(),
+            tombstones: self.tombstones.map.len(),
+            side_tables: self.side_tables(),
+            refused_live_limit: self.refused_live_limit,
+            tombstones_evicted_early: self.tombstones_evicted_early,
+        }
     }
 
     /// Number of live transactions.
@@ -890,7 +919,7 @@ impl<R: ResourceRef> TmCore<R> {
         let timeout = timeout.unwrap_or(self.cfg.default_timeout);
         let deadline = self.now + timeout;
         if self.txs.len() >= self.cfg.max_live {
-            self.stats.refused_live_limit += 1;
+            self.refused_live_limit += 1;
             let failure = self.live_limit_failure();
             self.stats.aborted += 1;
             self.tombstone(
@@ -1040,7 +1069,7 @@ impl<R: ResourceRef> TmCore<R> {
                 ));
             }
             if self.txs.len() + self.enlists.len() >= self.cfg.max_live {
-                self.stats.refused_live_limit += 1;
+                self.refused_live_limit += 1;
                 return Err(self.live_limit_failure());
             }
             let deadline = self.now
@@ -1550,7 +1579,7 @@ impl<R: ResourceRef> TmCore<R> {
             if let Some(old) = self.tombstones.order.pop_front() {
                 if let Some(e) = self.tombstones.map.remove(&old) {
                     if e.keep_until > self.now {
-                        self.stats.tombstones_evicted_early += 1;
+                        self.tombstones_evicted_early += 1;
                     }
                 }
             }
@@ -1756,7 +1785,7 @@ impl<R: ResourceRef> TmCore<R> {
             if l.aborted {
                 abort_two_phase(tid, &l.resources, out);
             }
-            if l.calls == 0 {
+            if l.calls == 0 && !l.preparing {
                 self.lingering.remove(&tid);
             }
         }
@@ -1850,6 +1879,20 @@ impl<R: ResourceRef> TmCore<R> {
 
     fn on_resource_voted(&mut self, tid: Tid, vote: Vote, out: &mut Vec<Action<R>>) {
         let Some(e) = self.txs.get_mut(&tid) else {
+            // The branch ended while its resource prepared: what the
+            // resource registered since (a prepared write set, items in
+            // violation mode) would outlive it. It hears the abort again.
+            if let Some(l) = self.lingering.get_mut(&tid) {
+                if l.preparing {
+                    l.preparing = false;
+                    if l.aborted {
+                        abort_two_phase(tid, &l.resources, out);
+                    }
+                    if l.calls == 0 {
+                        self.lingering.remove(&tid);
+                    }
+                }
+            }
             return;
         };
         let Prep::Resources { next, vote: so_far } = e.prep.clone() else {
@@ -2429,11 +2472,13 @@ impl<R: ResourceRef> TmCore<R> {
         }
         let cause = e.core.abort_cause().map(|(s, r)| (s, Box::from(r)));
         let protect = e.core.deadline().unwrap_or(self.now);
-        if e.active_calls > 0 {
+        let preparing = matches!(e.prep, Prep::Resources { .. });
+        if e.active_calls > 0 || preparing {
             self.lingering.insert(
                 tid,
                 Lingering {
                     calls: e.active_calls,
+                    preparing,
                     aborted: e.outcome == Some(Outcome::Aborted),
                     resources: e.enlisted,
                 },

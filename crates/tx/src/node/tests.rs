@@ -958,7 +958,7 @@ fn beyond_the_live_limit_a_transaction_is_born_aborted_with_no_buffer() {
     let waiter = w.commit(1, a);
     assert_eq!(w.result(1, waiter), Some(Ok(())));
     w.node(1).core.begin(now, None).expect("room again");
-    assert_eq!(w.node(1).core.stats().refused_live_limit, 2);
+    assert_eq!(w.node(1).core.bookkeeping().refused_live_limit, 2);
 }
 
 /// Issue 23 item 4: a million transactions leave a bounded table.
