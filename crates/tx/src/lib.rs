@@ -8,7 +8,7 @@
 pub mod core;
 pub mod manager;
 pub mod msg;
-pub mod recovery;
+pub mod node;
 pub mod resource;
 
 pub use manager::{
@@ -16,4 +16,5 @@ pub use manager::{
     TxStatus,
 };
 pub use msg::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
+pub use node::{Bookkeeping, NodeConfig, TmCore};
 pub use resource::{ParticipationClass, Resource};
