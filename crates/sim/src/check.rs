@@ -6,8 +6,8 @@
 //! committed and aborted anywhere), durability (every acknowledged commit, and every commit
 //! applied anywhere, is in the final committed state of every node it wrote, exactly once),
 //! isolation (a committed read-only check saw the bank's constant total; the DebitCredit audit
-//! holds on every replica and the replicas agree), and the transaction manager's recovery
-//! rules read back from TM records. Must never look at uncommitted state to decide a check.
+//! holds on every replica and the replicas agree). Must never look at uncommitted state to
+//! decide a check.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -16,12 +16,11 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use weft_kv::store::{Image, Store};
 use weft_kv::{int_value, parse_int};
-use weft_log::{LogRecord, Lsn};
 use weft_raid::audit::{Audit, SiteAudit};
 use weft_raid::rc::{Replicas, PLACEMENT_KEY};
 use weft_raid::schema::{balance, tuple, HistoryRow, Item, Relation};
-use weft_tx::{Outcome, TmRecord, TM_RECORD_TAG};
-use weft_wire::{Incarnation, NodeId, Tid};
+use weft_tx::Outcome;
+use weft_wire::{NodeId, Tid};
 
 use crate::config::SimConfig;
 use crate::report::Violation;
@@ -58,72 +57,6 @@ pub type Plan = Vec<(usize, Vec<Op>)>;
 /// The key of bank account `idx` held by node `node` (0-based).
 pub fn bank_key(node: usize, idx: u8) -> Bytes {
     Bytes::from(vec![b'B', node as u8, idx])
-}
-
-/// The outcome a node's log says a transaction had, per the transaction manager's rules.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// Committed (phase two may still have to finish).
-    Committed,
-    /// Prepared with no outcome: ask the parent.
-    InDoubt,
-    /// Aborted.
-    Aborted,
-}
-
-/// What the TM records of one transaction say (as `weft_tx::recovery` reads them).
-#[derive(Default, Debug)]
-pub struct Seen {
-    /// Its first record.
-    pub first_lsn: Option<Lsn>,
-    /// A prepare record: parent and children.
-    pub prepared: Option<(NodeId, Vec<(NodeId, Incarnation)>)>,
-    /// A commit record's children.
-    pub committed: Option<Vec<(NodeId, Incarnation)>>,
-    /// An abort record.
-    pub aborted: bool,
-    /// An end record.
-    pub ended: bool,
-}
-
-impl Seen {
-    /// The verdict, in `weft_tx::recovery`'s order: end, commit, abort, prepare.
-    pub fn verdict(&self) -> Verdict {
-        if self.ended || self.committed.is_some() {
-            Verdict::Committed
-        } else if self.aborted || self.prepared.is_none() {
-            Verdict::Aborted
-        } else {
-            Verdict::InDoubt
-        }
-    }
-}
-
-/// Reads the TM records of a recovered log.
-pub fn tm_recovery(records: &[LogRecord]) -> BTreeMap<Tid, Seen> {
-    let mut seen: BTreeMap<Tid, Seen> = BTreeMap::new();
-    for r in records.iter().filter(|r| r.tag == TM_RECORD_TAG) {
-        let Ok(rec) = postcard::from_bytes::<TmRecord>(&r.payload) else {
-            continue;
-        };
-        let tid = match &rec {
-            TmRecord::Prepared { tid, .. }
-            | TmRecord::Committed { tid, .. }
-            | TmRecord::Aborted { tid }
-            | TmRecord::End { tid } => *tid,
-        };
-        let s = seen.entry(tid).or_default();
-        s.first_lsn.get_or_insert(r.lsn);
-        match rec {
-            TmRecord::Prepared {
-                parent, children, ..
-            } => s.prepared = Some((parent, children)),
-            TmRecord::Committed { children, .. } => s.committed = Some(children),
-            TmRecord::Aborted { .. } => s.aborted = true,
-            TmRecord::End { .. } => s.ended = true,
-        }
-    }
-    seen
 }
 
 /// Raid's per-copy audit over a store's committed state (as `weft_raid::audit::audit_store`

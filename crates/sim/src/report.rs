@@ -7,16 +7,20 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-/// A named crash point of the commit protocol, as in the real-process crash test
-/// (`weft_tx::CrashPoint`), plus the points the simulator adds.
+/// A named crash point: the commit protocol's (`weft_tx::node::CrashPoint`, emitted by the
+/// node core), plus the points the simulator adds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum CrashPoint {
+    /// A participant is about to append (and force) its prepare record.
+    ParticipantBeforePrepareForce,
     /// A participant's prepare record is durable; its vote is not sent.
     ParticipantPrepared,
     /// All votes are in; the coordinator's commit record is not yet forced.
     CoordinatorBeforeCommitForce,
     /// The commit record is durable; no decision has been sent.
     CoordinatorAfterCommitForce,
+    /// The coordinator sent the decision; its own resources have not applied it.
+    CoordinatorDecisionSent,
     /// A participant received the commit decision and has not applied it.
     ParticipantPhaseTwo,
     /// A participant executed a call and has not answered it.
@@ -27,24 +31,42 @@ pub enum CrashPoint {
 
 impl CrashPoint {
     /// Every point, for coverage reports.
-    pub const ALL: [CrashPoint; 6] = [
+    pub const ALL: [CrashPoint; 8] = [
+        CrashPoint::ParticipantBeforePrepareForce,
         CrashPoint::ParticipantPrepared,
         CrashPoint::CoordinatorBeforeCommitForce,
         CrashPoint::CoordinatorAfterCommitForce,
+        CrashPoint::CoordinatorDecisionSent,
         CrashPoint::ParticipantPhaseTwo,
         CrashPoint::ParticipantAfterCall,
         CrashPoint::Checkpoint,
     ];
 
-    /// The point's name (the real-process test's names for the first four).
+    /// The point's name (the node core's names for the commit protocol's points).
     pub fn name(self) -> &'static str {
         match self {
+            CrashPoint::ParticipantBeforePrepareForce => "participant-before-prepare-force",
+            CrashPoint::CoordinatorDecisionSent => "coordinator-decision-sent",
             CrashPoint::ParticipantPrepared => "participant-prepared",
             CrashPoint::CoordinatorBeforeCommitForce => "coordinator-before-commit-force",
             CrashPoint::CoordinatorAfterCommitForce => "coordinator-after-commit-force",
             CrashPoint::ParticipantPhaseTwo => "participant-phase-two",
             CrashPoint::ParticipantAfterCall => "participant-after-call",
             CrashPoint::Checkpoint => "checkpoint",
+        }
+    }
+}
+
+impl From<weft_tx::node::CrashPoint> for CrashPoint {
+    fn from(p: weft_tx::node::CrashPoint) -> Self {
+        use weft_tx::node::CrashPoint as Tm;
+        match p {
+            Tm::ParticipantBeforePrepareForce => CrashPoint::ParticipantBeforePrepareForce,
+            Tm::ParticipantPrepared => CrashPoint::ParticipantPrepared,
+            Tm::CoordinatorBeforeCommitForce => CrashPoint::CoordinatorBeforeCommitForce,
+            Tm::CoordinatorAfterCommitForce => CrashPoint::CoordinatorAfterCommitForce,
+            Tm::CoordinatorDecisionSent => CrashPoint::CoordinatorDecisionSent,
+            Tm::ParticipantPhaseTwo => CrashPoint::ParticipantPhaseTwo,
         }
     }
 }

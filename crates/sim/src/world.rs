@@ -1,12 +1,12 @@
 //! One simulated run: nodes, network, scheduler, workload and fault injection, in one thread
 //! under one seed.
 //!
-//! Each node runs weft's real code: a [`TxCore`] per transaction (the commit protocol), the
-//! KV [`Store`] and [`LockTable`] (strict two-phase locking, no-wait), the real [`Log`] over a
-//! simulated disk ([`MemDisk`]), the real log recovery and KV snapshot code on restart. The
-//! node-level glue around the cores (answers for transactions a node has forgotten,
-//! incarnation checks, recovery from TM records) follows `weft_tx::manager` rule for rule;
-//! it moves to the transaction manager's sans-IO node core once that exists (issue 17 item 1).
+//! Each node runs weft's real code: the transaction manager's node core ([`TmCore`]: every
+//! commit-protocol decision of the node, recovery from TM records included), the KV [`Store`]
+//! and [`LockTable`] (strict two-phase locking, no-wait), the real [`Log`] over a simulated
+//! disk ([`MemDisk`]), the real log recovery and KV snapshot code on restart. This module is
+//! the node's driver (as `weft_tx::manager` is for real nodes): it performs the core's actions
+//! and feeds their results back in a flat loop; it decides nothing about the protocol.
 //!
 //! Owns: simulated time (microseconds from 0), the event queue, the network model (drop,
 //! duplicate, delay/reorder, per-link partitions), crash/restart, the workloads (Jepsen-style
@@ -30,9 +30,15 @@ use weft_kv::{int_value, parse_int, snapshot, KvRecord, KV_RECORD_TAG};
 use weft_log::{DiskFault, Log, LogConfig, Lsn, MemDisk};
 use weft_raid::rc::{Replicas, PLACEMENT_KEY};
 use weft_raid::schema::{balance, tuple, HistoryRow, Item, Relation};
-use weft_tx::core::{late, Action, CoreConfig, Durability, Input, Phase, TxCore};
-use weft_tx::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
-use weft_wire::{Incarnation, NodeId, Status, Tid, Xid};
+use weft_tx::core::CoreConfig;
+use weft_tx::node::{
+    decode_records, scan, Action, CallId, CallIn, Event as TmEvent, Recovered, ResourceRef,
+    WaiterId,
+};
+use weft_tx::{
+    Answer, NodeConfig, Outcome, ParticipationClass, TmCore, TxMsg, Vote, TM_RECORD_TAG,
+};
+use weft_wire::{Incarnation, NodeId, Status, SubPath, Tid, TxContext, Xid};
 
 use crate::check::{self, Checker, Kind, Op};
 use crate::config::{Sabotage, SimConfig};
@@ -48,8 +54,6 @@ const CALL_TIMEOUT_MICROS: u64 = 300_000;
 const TICK_MICROS: u64 = 20_000;
 /// A failure detector's delay before peers hear of a crash.
 const DETECT_MICROS: u64 = 100_000;
-/// Tombstones (finished transactions) remembered per node, as the manager's bound.
-const TOMBSTONES: usize = 100_000;
 
 /// A message between nodes.
 #[derive(Clone, Debug)]
@@ -57,12 +61,15 @@ enum Msg {
     /// The commit protocol.
     Tx(TxMsg),
     /// A call of a transaction: run these operations in its branch here.
-    Call { tid: Tid, call: u64, ops: Vec<Op> },
-    /// The answer to a call: the values read, and the callee's incarnation.
+    Call {
+        ctx: TxContext,
+        call: u64,
+        ops: Vec<Op>,
+    },
+    /// The answer to a call: the values read.
     Reply {
         tid: Tid,
         call: u64,
-        incarnation: Incarnation,
         result: Result<Vec<i64>, String>,
     },
 }
@@ -91,7 +98,7 @@ enum Ev {
     PeerDead {
         node: usize,
         dead: NodeId,
-        before: u64,
+        gone: Incarnation,
     },
     Cut,
     Heal(usize, usize),
@@ -124,15 +131,23 @@ impl Ord for Sched {
     }
 }
 
-/// A transaction branch at a node: its protocol core and what the driver keeps beside it.
-struct Branch {
-    core: TxCore,
-    /// Simulated time it was created (peer deaths after it do not concern it).
-    born: u64,
-    /// Its first transaction-manager record (the log must keep it).
-    first_lsn: Option<Lsn>,
-    /// Calls already executed (a duplicated call message runs once).
-    calls: BTreeSet<u64>,
+/// How the node core sees the KV store: the node's one two-phase resource.
+#[derive(Clone, Debug)]
+struct KvRes;
+
+impl ResourceRef for KvRes {
+    fn name(&self) -> String {
+        "kv".into()
+    }
+    fn class(&self) -> ParticipationClass {
+        ParticipationClass::TwoPhase
+    }
+    fn commits_from_this_log(&self) -> bool {
+        true
+    }
+    fn same(&self, _other: &Self) -> bool {
+        true
+    }
 }
 
 /// A client waiting at the coordinator: lost if the coordinator crashes.
@@ -143,19 +158,26 @@ struct Client {
     decided: bool,
 }
 
+/// What waits for the log to become durable up to a position.
+enum LazyWait {
+    /// [`Action::AwaitLazy`] of a transaction.
+    Tx(Tid),
+    /// [`Action::WaitDurable`].
+    Durable,
+}
+
 struct Node {
     id: NodeId,
     inc: Incarnation,
     up: bool,
     disk: MemDisk,
     log: Option<Log>,
+    tm: Option<TmCore<KvRes>>,
     store: Store,
     locks: LockTable<Bytes, Xid>,
-    txs: BTreeMap<Tid, Branch>,
-    tombs: BTreeMap<Tid, Option<Outcome>>,
-    tomb_order: VecDeque<Tid>,
-    lazy: Vec<(Lsn, Tid)>,
-    seq: u64,
+    lazy: Vec<(Lsn, LazyWait)>,
+    /// Calls already run per live transaction (a duplicated call message runs once).
+    calls: BTreeMap<Tid, BTreeSet<u64>>,
     clients: BTreeMap<Tid, Client>,
 }
 
@@ -168,27 +190,14 @@ impl Node {
         PathBuf::from(format!("/n{}/kv", self.id.0))
     }
 
-    fn tomb(&mut self, tid: Tid, outcome: Option<Outcome>) {
-        if self.tombs.insert(tid, outcome).is_none() {
-            self.tomb_order.push_back(tid);
-            while self.tomb_order.len() > TOMBSTONES {
-                if let Some(old) = self.tomb_order.pop_front() {
-                    self.tombs.remove(&old);
-                }
-            }
-        }
-    }
-
     fn reset_volatile(&mut self) {
         self.log = None;
+        self.tm = None;
         self.store = Store::new();
         self.locks = LockTable::new();
-        self.txs.clear();
-        self.tombs.clear();
-        self.tomb_order.clear();
         self.lazy.clear();
+        self.calls.clear();
         self.clients.clear();
-        self.seq = 0;
     }
 }
 
@@ -206,7 +215,7 @@ pub(crate) struct Sim {
     faults_on: bool,
     done: bool,
     next_call: u64,
-    core_cfg: CoreConfig,
+    node_cfg: NodeConfig,
     check: Checker,
     cov: Coverage,
     history: VecDeque<String>,
@@ -228,10 +237,18 @@ impl Sim {
             faults_on: true,
             done: false,
             next_call: 1,
-            core_cfg: CoreConfig {
-                retry: Duration::from_millis(40),
-                max_retry: Duration::from_millis(800),
-                orphan_check: Duration::from_millis(250),
+            node_cfg: NodeConfig {
+                core: CoreConfig {
+                    retry: Duration::from_millis(40),
+                    max_retry: Duration::from_millis(800),
+                    orphan_check: Duration::from_millis(250),
+                },
+                default_timeout: TX_TIMEOUT,
+                // The simulator checks what the core commits against what resources applied,
+                // and early lock release applies a coordinator's commit before its record is
+                // durable: off here (see the crate docs).
+                early_lock_release: false,
+                ..NodeConfig::default()
             },
             check,
             cov: Coverage::default(),
@@ -245,13 +262,11 @@ impl Sim {
                 up: false,
                 disk: MemDisk::new(),
                 log: None,
+                tm: None,
                 store: Store::new(),
                 locks: LockTable::new(),
-                txs: BTreeMap::new(),
-                tombs: BTreeMap::new(),
-                tomb_order: VecDeque::new(),
                 lazy: Vec::new(),
-                seq: 0,
+                calls: BTreeMap::new(),
                 clients: BTreeMap::new(),
             });
         }
@@ -373,13 +388,7 @@ impl Sim {
                 }
             }
             Ev::Tick(i) => {
-                if self.nodes[i].up {
-                    let now = self.instant();
-                    let tids: Vec<Tid> = self.nodes[i].txs.keys().copied().collect();
-                    for tid in tids {
-                        self.feed(i, tid, Input::Tick(now));
-                    }
-                }
+                self.step(i, TmEvent::Tick);
                 if !self.faults_on && i == 0 && self.quiescent() {
                     self.done = true;
                 }
@@ -400,7 +409,7 @@ impl Sim {
             }
             Ev::Forced { node, inc, tid } => {
                 if self.nodes[node].up && self.nodes[node].inc == inc {
-                    self.feed(node, tid, Input::Forced);
+                    self.step(node, TmEvent::Forced { tid });
                     self.lazy_durable(node);
                 }
             }
@@ -420,17 +429,19 @@ impl Sim {
                     self.restart(i);
                 }
             }
-            Ev::PeerDead { node, dead, before } => {
-                if self.nodes[node].up {
-                    let tids: Vec<Tid> = self.nodes[node]
-                        .txs
-                        .iter()
-                        .filter(|(_, b)| b.born < before)
-                        .map(|(t, _)| *t)
-                        .collect();
-                    for tid in tids {
-                        self.feed(node, tid, Input::PeerDead(dead, Status::ProcDead));
-                    }
+            Ev::PeerDead { node, dead, gone } => {
+                if let Some(tm) = &self.nodes[node].tm {
+                    // Announced now: transactions born from now on are spared.
+                    let born_before = Some(tm.births());
+                    self.step(
+                        node,
+                        TmEvent::PeerDead {
+                            node: dead,
+                            status: Status::ProcDead,
+                            incarnation: Some(gone),
+                            born_before,
+                        },
+                    );
                 }
             }
             Ev::Cut => {
@@ -492,10 +503,9 @@ impl Sim {
 
     fn quiescent(&self) -> bool {
         self.in_flight == 0
-            && self
-                .nodes
-                .iter()
-                .all(|n| n.up && n.txs.is_empty() && n.clients.is_empty())
+            && self.nodes.iter().all(|n| {
+                n.up && n.clients.is_empty() && n.tm.as_ref().is_some_and(|tm| tm.live() == 0)
+            })
     }
 
     // ---- the network ----------------------------------------------------------------------
@@ -533,6 +543,7 @@ impl Sim {
     }
 
     fn index(&self, node: NodeId) -> usize {
+        debug_assert!(node.0 >= 1 && node.0 as usize <= self.nodes.len());
         node.0 as usize - 1
     }
 
@@ -590,14 +601,13 @@ impl Sim {
         let node = &mut self.nodes[i];
         node.reset_volatile();
         node.up = false;
-        let id = node.id;
+        let (id, gone) = (node.id, node.inc);
         let back = if self.faults_on {
             self.rng.gen_range(20_000..400_000)
         } else {
             1_000
         };
         self.at(back, Ev::Restart(i));
-        let before = self.now + 1;
         for j in 0..self.nodes.len() {
             if j != i {
                 self.at(
@@ -605,7 +615,7 @@ impl Sim {
                     Ev::PeerDead {
                         node: j,
                         dead: id,
-                        before,
+                        gone,
                     },
                 );
             }
@@ -704,16 +714,28 @@ impl Sim {
                 ),
             }
         }
-        let tm = check::tm_recovery(&rec.records);
+        let (records, undecodable) = decode_records(&rec.records);
+        if !undecodable.is_empty() {
+            self.violation(
+                "recovery",
+                format!("n{}: undecodable TM records at {undecodable:?}", i + 1),
+            );
+        }
+        let now = self.instant();
+        let mut tm = TmCore::new(self.nodes[i].id, inc, self.node_cfg, now);
+        tm.register_resource(KvRes);
+        let report = tm.recover(scan(records));
+        // The KV store redoes its prepared write sets by the outcomes the core recovered, as
+        // `weft_kv`'s plugin does.
         let mut locks = LockTable::new();
         let mut applied = Vec::new();
         for tid in store.prepared_in_log_order() {
-            match tm.get(&tid).map(|s| s.verdict()) {
-                Some(check::Verdict::Committed) => {
+            match tm.recovered(tid) {
+                Some(Recovered::Committed) => {
                     store.commit(tid);
                     applied.push((tid, true));
                 }
-                Some(check::Verdict::InDoubt) => {
+                Some(Recovered::InDoubt) => {
                     for key in store.prepared_keys(tid) {
                         if let Err(e) = locks.try_acquire(Xid::top(tid), key, LockMode::Exclusive) {
                             self.violation(
@@ -723,54 +745,27 @@ impl Sim {
                         }
                     }
                 }
-                Some(check::Verdict::Aborted) | None => {
+                Some(Recovered::Aborted) | None => {
                     store.abort(tid);
                     applied.push((tid, false));
                 }
             }
         }
         let node = &mut self.nodes[i];
-        let voter_cfg = self.core_cfg;
-        for (tid, s) in &tm {
-            match s.verdict() {
-                check::Verdict::Committed if s.ended => node.tomb(*tid, Some(Outcome::Committed)),
-                check::Verdict::Committed => {
-                    let voter = s.prepared.as_ref().map(|(p, _)| *p);
-                    let children = s.committed.clone().unwrap_or_default();
-                    let core = TxCore::recovered_committed(*tid, voter, children, voter_cfg);
-                    node.txs.insert(
-                        *tid,
-                        Branch {
-                            core,
-                            born: 0,
-                            first_lsn: s.first_lsn,
-                            calls: BTreeSet::new(),
-                        },
-                    );
-                }
-                check::Verdict::Aborted => node.tomb(*tid, Some(Outcome::Aborted)),
-                check::Verdict::InDoubt => {
-                    let (parent, children) = s.prepared.clone().expect("in doubt means prepared");
-                    let core = TxCore::recovered_prepared(*tid, parent, children, voter_cfg);
-                    node.txs.insert(
-                        *tid,
-                        Branch {
-                            core,
-                            born: 0,
-                            first_lsn: s.first_lsn,
-                            calls: BTreeSet::new(),
-                        },
-                    );
-                }
-            }
-        }
         node.store = store;
         node.locks = locks;
         node.log = Some(log);
+        node.tm = Some(tm);
         node.up = true;
         self.cov.recoveries += 1;
-        let in_doubt = self.nodes[i].txs.len();
-        self.hist(|| format!("n{} recovered: {in_doubt} transaction(s) to finish", i + 1));
+        self.hist(|| {
+            format!(
+                "n{} recovered: {} to redrive, {} in doubt",
+                i + 1,
+                report.redriven.len(),
+                report.in_doubt.len()
+            )
+        });
         for (tid, commit) in applied {
             self.check.applied(i, tid, commit, self.now);
         }
@@ -788,7 +783,7 @@ impl Sim {
             node.store.image(),
             node.store.oldest_prepared(),
         );
-        let low_water = node.txs.values().filter_map(|b| b.first_lsn).min();
+        let low_water = node.tm.as_ref().and_then(|tm| tm.low_water());
         let kv_dir = node.kv_dir();
         if last > log.durable_lsn() {
             if let Err(e) = log.force_blocking(last) {
@@ -818,156 +813,134 @@ impl Sim {
 
     // ---- the driver loop: inputs in, actions out ------------------------------------------
 
-    /// Feeds `input` to `tid`'s core at node `i` and carries out the actions, feeding what
-    /// they produce back in, until nothing is left (a flat loop, no re-entry).
-    fn feed(&mut self, i: usize, tid: Tid, input: Input) {
-        let mut work: VecDeque<(Tid, Input)> = VecDeque::from([(tid, input)]);
-        while let Some((tid, input)) = work.pop_front() {
+    /// Steps node `i`'s core with `ev` and carries out the actions, feeding their results
+    /// back and carrying out what those produce, in order, until nothing is left (a flat
+    /// loop, no re-entry).
+    fn step(&mut self, i: usize, ev: TmEvent) {
+        let now = self.instant();
+        let Some(tm) = self.nodes[i].tm.as_mut() else {
+            return;
+        };
+        let actions = tm.step(now, ev);
+        self.carry_out(i, actions);
+    }
+
+    fn carry_out(&mut self, i: usize, actions: Vec<Action<KvRes>>) {
+        let mut queue: VecDeque<Action<KvRes>> = actions.into();
+        while let Some(a) = queue.pop_front() {
             if !self.nodes[i].up {
                 return;
             }
-            let in_doubt = self.nodes[i]
-                .txs
-                .get(&tid)
-                .is_some_and(|b| b.core.in_doubt());
-            if matches!(input, Input::CommitDecision { .. })
-                && in_doubt
-                && self.point(i, CrashPoint::ParticipantPhaseTwo)
-            {
-                return;
-            }
-            let forced = matches!(input, Input::Forced);
-            let (actions, coordinator) = match self.nodes[i].txs.get_mut(&tid) {
-                Some(b) => (b.core.step(input), b.core.is_coordinator()),
-                None => {
-                    self.no_branch(i, tid, input);
-                    continue;
+            let result = match a {
+                Action::Send { to, msg } => {
+                    self.send_tx(i, to, msg);
+                    None
+                }
+                Action::Append { record, token } => {
+                    let bytes = postcard::to_allocvec(&record).expect("TM records encode");
+                    let log = self.nodes[i].log.clone().expect("an up node has a log");
+                    match log.append(TM_RECORD_TAG, &bytes) {
+                        Ok(lsn) => Some(TmEvent::Appended { token, lsn }),
+                        Err(e) => return self.log_failed(i, "append", e),
+                    }
+                }
+                Action::ExpectForce { .. } => None,
+                Action::Force { tid, lsn, token } => {
+                    let skip = self.cfg.sabotage == Sabotage::SkipPrepareForce && !token.commit;
+                    let log = self.nodes[i].log.clone().expect("an up node has a log");
+                    if !skip {
+                        if let Err(e) = log.force_blocking(lsn) {
+                            return self.log_failed(i, "force", e);
+                        }
+                    }
+                    let inc = self.nodes[i].inc;
+                    let fsync = self.rng.gen_range(50..1_500);
+                    self.at(fsync, Ev::Forced { node: i, inc, tid });
+                    None
+                }
+                Action::AwaitLazy { tid, lsn } => self.wait_durable(i, lsn, LazyWait::Tx(tid)),
+                Action::WaitDurable { lsn } => self.wait_durable(i, lsn, LazyWait::Durable),
+                Action::ResourcePrepare { tid, .. } => {
+                    let vote = self.prepare_local(i, tid, &[]);
+                    Some(TmEvent::ResourceVoted { tid, vote })
+                }
+                Action::ResourceCommit { tid, .. } => {
+                    let node = &mut self.nodes[i];
+                    node.store.commit(tid);
+                    released(node.locks.release_all(&tid));
+                    self.check.applied(i, tid, true, self.now);
+                    if self.check.kind(tid) == Some(Kind::DebitCredit) {
+                        self.audit(i);
+                    }
+                    None
+                }
+                Action::ResourceAbort { tid, .. } => {
+                    let node = &mut self.nodes[i];
+                    node.store.abort(tid);
+                    released(node.locks.release_all(&tid));
+                    self.check.applied(i, tid, false, self.now);
+                    None
+                }
+                Action::ResourceEnded { .. } | Action::ResourceSubEnded { .. } => None,
+                // No-wait locking never lets a transaction use another's undecided writes.
+                Action::QueryDependencies { tid, .. } => Some(TmEvent::Dependencies {
+                    tid,
+                    result: Ok(Vec::new()),
+                }),
+                Action::VoteBarrier { id, .. } => Some(TmEvent::BarrierDone { id, result: Ok(()) }),
+                Action::Complete { waiter, result } => {
+                    let node = &self.nodes[i];
+                    let tid = Tid::new(node.id, node.inc, waiter.0);
+                    if let Some(c) = self.nodes[i].clients.remove(&tid) {
+                        let outcome = match &result {
+                            Ok(()) => Outcome::Committed,
+                            Err(_) => Outcome::Aborted,
+                        };
+                        self.hist(|| format!("n{} {tid} -> client: {result:?}", i + 1));
+                        self.check
+                            .finished(tid, outcome, c.kind, &c.reads, self.now);
+                    }
+                    None
+                }
+                Action::CallAdmitted { .. } => None,
+                Action::CrashPoint { point, tid } => {
+                    if self.point(i, CrashPoint::from(point)) {
+                        self.hist(|| format!("n{} crashed at {point} of {tid}", i + 1));
+                        return;
+                    }
+                    None
+                }
+                Action::Decided { .. } => None,
+                Action::Forgotten { tid } => {
+                    self.nodes[i].calls.remove(&tid);
+                    None
                 }
             };
-            if coordinator
-                && actions.iter().any(|a| {
-                    matches!(
-                        a,
-                        Action::Log(TmRecord::Committed { .. }, Durability::Force)
-                    )
-                })
-                && self.point(i, CrashPoint::CoordinatorBeforeCommitForce)
-            {
-                return;
-            }
-            if forced
-                && coordinator
-                && actions.iter().any(|a| matches!(a, Action::CommitLocal))
-                && self.point(i, CrashPoint::CoordinatorAfterCommitForce)
-            {
-                return;
-            }
-            if forced
-                && !coordinator
-                && actions.iter().any(|a| {
-                    matches!(
-                        a,
-                        Action::Send(
-                            _,
-                            TxMsg::Vote {
-                                vote: Vote::Yes { .. },
-                                ..
-                            }
-                        )
-                    )
-                })
-                && self.point(i, CrashPoint::ParticipantPrepared)
-            {
-                return;
-            }
-            for a in actions {
-                if !self.act(i, tid, a, &mut work) {
+            if let Some(ev) = result {
+                let now = self.instant();
+                let Some(tm) = self.nodes[i].tm.as_mut() else {
                     return;
-                }
+                };
+                queue.extend(tm.step(now, ev));
             }
         }
     }
 
-    /// Carries out one action. False when the node crashed doing it.
-    fn act(&mut self, i: usize, tid: Tid, a: Action, work: &mut VecDeque<(Tid, Input)>) -> bool {
-        match a {
-            Action::PrepareLocal { aborted_subs } => {
-                let vote = self.prepare_local(i, tid, &aborted_subs);
-                work.push_back((tid, Input::LocalVote(vote)));
-            }
-            Action::Send(to, msg) => self.send_tx(i, to, msg),
-            Action::Log(rec, durability) => {
-                let bytes = postcard::to_allocvec(&rec).expect("TM records encode");
-                let Some(log) = self.nodes[i].log.clone() else {
-                    return false;
-                };
-                let lsn = match log.append(TM_RECORD_TAG, &bytes) {
-                    Ok(l) => l,
-                    Err(e) => {
-                        self.log_failed(i, "append", e);
-                        return false;
-                    }
-                };
-                if let Some(b) = self.nodes[i].txs.get_mut(&tid) {
-                    b.first_lsn.get_or_insert(lsn);
-                }
-                let skip = self.cfg.sabotage == Sabotage::SkipPrepareForce
-                    && matches!(rec, TmRecord::Prepared { .. });
-                match durability {
-                    Durability::Force => {
-                        if skip {
-                            let inc = self.nodes[i].inc;
-                            self.at(1, Ev::Forced { node: i, inc, tid });
-                        } else if let Err(e) = log.force_blocking(lsn) {
-                            self.log_failed(i, "force", e);
-                            return false;
-                        }
-                        let inc = self.nodes[i].inc;
-                        let fsync = self.rng.gen_range(50..1_500);
-                        self.at(fsync, Ev::Forced { node: i, inc, tid });
-                    }
-                    Durability::Lazy => {
-                        if log.durable_lsn() >= lsn {
-                            work.push_back((tid, Input::LazyDurable));
-                        } else {
-                            self.nodes[i].lazy.push((lsn, tid));
-                        }
-                    }
-                    Durability::None => {}
-                }
-            }
-            Action::CommitLocal => {
-                let node = &mut self.nodes[i];
-                node.store.commit(tid);
-                released(node.locks.release_all(&tid));
-                self.check.applied(i, tid, true, self.now);
-                if self.check.kind(tid) == Some(Kind::DebitCredit) {
-                    self.audit(i);
-                }
-            }
-            Action::AbortLocal => {
-                let node = &mut self.nodes[i];
-                node.store.abort(tid);
-                released(node.locks.release_all(&tid));
-                self.check.applied(i, tid, false, self.now);
-            }
-            Action::Finished(outcome) => {
-                if let Some(c) = self.nodes[i].clients.remove(&tid) {
-                    self.hist(|| format!("n{} {tid} {:?} -> client", i + 1, outcome));
-                    self.check
-                        .finished(tid, outcome, c.kind, &c.reads, self.now);
-                }
-            }
-            Action::Forget(outcome) => {
-                let node = &mut self.nodes[i];
-                node.txs.remove(&tid);
-                node.tomb(tid, outcome);
-            }
+    /// The event to feed at once when the log is already durable up to `lsn`, else `None`
+    /// (the wait is kept until a force covers it).
+    fn wait_durable(&mut self, i: usize, lsn: Lsn, w: LazyWait) -> Option<TmEvent> {
+        let durable = self.nodes[i].log.as_ref()?.durable_lsn();
+        if durable >= lsn {
+            return Some(match w {
+                LazyWait::Tx(tid) => TmEvent::LazyDurable { tid },
+                LazyWait::Durable => TmEvent::Durable { upto: durable },
+            });
         }
-        true
+        self.nodes[i].lazy.push((lsn, w));
+        None
     }
 
-    /// After a force: records appended lazily that it covered are durable now.
+    /// After a force: what waited for a position it covered goes on.
     fn lazy_durable(&mut self, i: usize) {
         let Some(log) = self.nodes[i].log.as_ref() else {
             return;
@@ -977,8 +950,12 @@ impl Sim {
             .into_iter()
             .partition(|(l, _)| *l <= durable);
         self.nodes[i].lazy = wait;
-        for (_, tid) in ready {
-            self.feed(i, tid, Input::LazyDurable);
+        for (_, w) in ready {
+            let ev = match w {
+                LazyWait::Tx(tid) => TmEvent::LazyDurable { tid },
+                LazyWait::Durable => TmEvent::Durable { upto: durable },
+            };
+            self.step(i, ev);
         }
     }
 
@@ -1015,114 +992,38 @@ impl Sim {
         }
     }
 
-    /// A protocol input for a transaction with no core here: the manager's rules for
-    /// finished (tombstoned) and unknown transactions.
-    fn no_branch(&mut self, i: usize, tid: Tid, input: Input) {
-        let outcome = self.nodes[i].tombs.get(&tid).copied();
-        let actions = match outcome {
-            Some(o) => late(tid, o, input),
-            None => match input {
-                Input::Prepare { from, .. } => {
-                    self.nodes[i].tomb(tid, None);
-                    vec![Action::Send(
-                        from,
-                        TxMsg::Vote {
-                            tid,
-                            vote: Vote::ReadOnly,
-                        },
-                    )]
-                }
-                Input::CommitDecision { from } => vec![Action::Send(from, TxMsg::Ack { tid })],
-                Input::AbortNotice { .. } => {
-                    self.nodes[i].tomb(tid, Some(Outcome::Aborted));
-                    Vec::new()
-                }
-                _ => Vec::new(),
-            },
-        };
-        for a in actions {
-            if let Action::Send(to, msg) = a {
-                self.send_tx(i, to, msg);
-            }
-        }
-    }
-
     fn on_msg(&mut self, i: usize, from_ix: usize, msg: Msg) {
         let from = self.nodes[from_ix].id;
         match msg {
-            Msg::Tx(m) => self.on_tx_msg(i, from, m),
-            Msg::Call { tid, call, ops } => self.on_call(i, from_ix, tid, call, ops),
+            Msg::Tx(m) => self.on_tx_msg(i, from_ix, m),
+            Msg::Call { ctx, call, ops } => self.on_call(i, from_ix, ctx, call, ops),
             Msg::Reply {
-                tid,
-                call,
-                incarnation,
-                result,
-            } => self.on_reply(i, from, tid, call, incarnation, result),
+                tid, call, result, ..
+            } => self.on_reply(i, from, tid, call, result),
         }
     }
 
-    fn on_tx_msg(&mut self, i: usize, from: NodeId, m: TxMsg) {
-        let node = &self.nodes[i];
-        let (tid, input) = match m {
-            TxMsg::Prepare {
-                tid,
-                incarnation,
-                aborted_subs,
-            } => {
-                if !node.txs.contains_key(&tid)
-                    && incarnation != node.inc
-                    && !node.tombs.contains_key(&tid)
-                {
-                    let vote = Vote::No(format!(
-                        "node {} restarted (incarnation {} -> {}): its branch was lost",
-                        node.id, incarnation, node.inc
-                    ));
-                    self.send_tx(i, from, TxMsg::Vote { tid, vote });
-                    return;
+    fn on_tx_msg(&mut self, i: usize, from_ix: usize, msg: TxMsg) {
+        let from = self.nodes[from_ix].id;
+        if self.cfg.sabotage == Sabotage::CommitForgotten {
+            if let (TxMsg::Inquire { tid }, Some(tm)) = (&msg, &self.nodes[i].tm) {
+                if !tm.is_live(*tid) && tm.finished_outcome(*tid).is_none() {
+                    let tid = *tid;
+                    let answer = Answer::Committed;
+                    return self.send_tx(i, from, TxMsg::Outcome { tid, answer });
                 }
-                (tid, Input::Prepare { from, aborted_subs })
             }
-            TxMsg::Vote { tid, vote } => (tid, Input::Vote { from, vote }),
-            TxMsg::VoteAfter { tid, vote, .. } => (tid, Input::Vote { from, vote }),
-            TxMsg::Decision { tid, commit: true } => (tid, Input::CommitDecision { from }),
-            TxMsg::Decision { tid, commit: false } => (
-                tid,
-                Input::AbortNotice {
-                    from,
-                    status: Status::Aborted,
-                    reason: "the parent decided abort".into(),
-                },
-            ),
-            TxMsg::Ack { tid } => (tid, Input::Ack { from }),
-            TxMsg::Abort {
-                tid,
-                status,
-                reason,
-            } => (
-                tid,
-                Input::AbortNotice {
-                    from,
-                    status,
-                    reason,
-                },
-            ),
-            TxMsg::Outcome { tid, answer } => (tid, Input::Answer(answer)),
-            TxMsg::Inquire { tid } => {
-                let answer = match node.txs.get(&tid) {
-                    Some(b) => b.core.answer(),
-                    None => match node.tombs.get(&tid) {
-                        Some(Some(Outcome::Committed)) => Answer::Committed,
-                        None if self.cfg.sabotage == Sabotage::CommitForgotten => Answer::Committed,
-                        // Presumed abort: no record means abort.
-                        _ => Answer::Aborted,
-                    },
-                };
-                self.send_tx(i, from, TxMsg::Outcome { tid, answer });
-                return;
-            }
-            TxMsg::Enlist { .. } | TxMsg::Enlisted { .. } | TxMsg::SubEnded { .. } => return,
-        };
-        self.feed(i, tid, input);
+        }
+        // The transport knows the sender's incarnation from its membership view.
+        let from_incarnation = self.nodes[from_ix].inc;
+        self.step(
+            i,
+            TmEvent::Msg {
+                from,
+                from_incarnation,
+                msg,
+            },
+        );
     }
 
     // ---- calls: the workload's operations, run in a transaction's branch -----------------
@@ -1158,53 +1059,37 @@ impl Sim {
         Ok(out)
     }
 
-    fn on_call(&mut self, i: usize, from_ix: usize, tid: Tid, call: u64, ops: Vec<Op>) {
+    fn on_call(&mut self, i: usize, from_ix: usize, ctx: TxContext, call: u64, ops: Vec<Op>) {
         let from = self.nodes[from_ix].id;
-        let deadline = self.instant() + TX_TIMEOUT;
-        let cfg = self.core_cfg;
-        let now = self.now;
+        let tid = ctx.tid;
+        let now = self.instant();
         let node = &mut self.nodes[i];
-        let refuse = match node.txs.get_mut(&tid) {
-            Some(b) if b.calls.contains(&call) => return, // a duplicate: ran already
-            Some(b) if !b.core.is_active() => Some("the transaction is ending here".to_string()),
-            Some(b) => {
-                b.calls.insert(call);
-                None
-            }
-            None if node.tombs.contains_key(&tid) => Some("the transaction is over here".into()),
-            None => {
-                let mut calls = BTreeSet::new();
-                calls.insert(call);
-                node.txs.insert(
-                    tid,
-                    Branch {
-                        core: TxCore::participant(tid, from, Some(deadline), cfg),
-                        born: now,
-                        first_lsn: None,
-                        calls,
-                    },
-                );
-                None
-            }
+        if node.calls.get(&tid).is_some_and(|c| c.contains(&call)) {
+            return; // a duplicate: it ran already
+        }
+        let Some(tm) = node.tm.as_mut() else {
+            return;
         };
-        let result = match refuse {
-            Some(r) => Err(r),
-            None => self.run_ops(i, tid, &ops),
-        };
-        if self.point(i, CrashPoint::ParticipantAfterCall) {
+        let mut out = Vec::new();
+        let joined = tm.call_in(now, &ctx, from, true, Some(KvRes), CallId(call), &mut out);
+        self.carry_out(i, out);
+        if !self.nodes[i].up {
             return;
         }
-        let incarnation = self.nodes[i].inc;
-        self.send(
-            i,
-            from_ix,
-            Msg::Reply {
-                tid,
-                call,
-                incarnation,
-                result,
-            },
-        );
+        let result = match joined {
+            Ok(CallIn::Joined) => {
+                self.nodes[i].calls.entry(tid).or_default().insert(call);
+                let r = self.run_ops(i, tid, &ops);
+                self.step(i, TmEvent::CallDone { tid });
+                r
+            }
+            Ok(CallIn::Enlisting) => Err("a member's call is never enlisted".to_string()),
+            Err(f) => Err(f.to_string()),
+        };
+        if !self.nodes[i].up || self.point(i, CrashPoint::ParticipantAfterCall) {
+            return;
+        }
+        self.send(i, from_ix, Msg::Reply { tid, call, result });
     }
 
     fn on_reply(
@@ -1213,7 +1098,6 @@ impl Sim {
         from: NodeId,
         tid: Tid,
         call: u64,
-        incarnation: Incarnation,
         result: Result<Vec<i64>, String>,
     ) {
         let node = &mut self.nodes[i];
@@ -1223,22 +1107,26 @@ impl Sim {
         if client.decided || !client.pending.remove(&call) {
             return;
         }
-        // The callee holds a branch either way: the core must know it to tell it the end.
-        let added = node
-            .txs
-            .get_mut(&tid)
-            .is_some_and(|b| b.core.add_child(from, incarnation));
         match result {
-            Ok(vals) if added => {
+            Ok(vals) => {
                 client.reads.extend(vals);
                 if client.pending.is_empty() {
                     client.decided = true;
-                    self.feed(i, tid, Input::Commit);
+                    self.commit(i, tid);
                 }
             }
-            Ok(_) => self.client_abort(i, tid, "the transaction ended during a call".into()),
-            Err(e) => self.client_abort(i, tid, e),
+            Err(e) => self.client_abort(i, tid, format!("call to n{}: {e}", from.0)),
         }
+    }
+
+    fn commit(&mut self, i: usize, tid: Tid) {
+        self.step(
+            i,
+            TmEvent::Commit {
+                tid,
+                waiter: WaiterId(tid.seq),
+            },
+        );
     }
 
     fn client_abort(&mut self, i: usize, tid: Tid, reason: String) {
@@ -1246,7 +1134,9 @@ impl Sim {
             c.decided = true;
         }
         self.hist(|| format!("n{} {tid} client aborts: {reason}", i + 1));
-        self.feed(i, tid, Input::Abort(reason));
+        self.step(i, TmEvent::Abort { tid, reason });
+        // The commit call answers the client: an abort before it reports here.
+        self.commit(i, tid);
     }
 
     fn start_tx(&mut self) {
@@ -1257,27 +1147,21 @@ impl Sim {
             return;
         }
         let c = up[self.rng.gen_range(0..up.len())];
-        let tid = {
-            let node = &mut self.nodes[c];
-            node.seq += 1;
-            Tid::new(node.id, node.inc, node.seq)
+        let now = self.instant();
+        let Some(tm) = self.nodes[c].tm.as_mut() else {
+            return;
+        };
+        let tid = match tm.begin(now, Some(TX_TIMEOUT)) {
+            Ok(tid) => tid,
+            Err(refused) => {
+                let detail = refused.failure.to_string();
+                self.hist(|| format!("n{} begin refused: {detail}", c + 1));
+                return;
+            }
         };
         let (kind, plan) = self.check.plan(&mut self.rng, tid, self.nodes.len());
         self.hist(|| format!("n{} begin {tid} {kind:?}", c + 1));
-        let deadline = self.instant() + TX_TIMEOUT;
-        let now = self.now;
-        let cfg = self.core_cfg;
-        let node = &mut self.nodes[c];
-        node.txs.insert(
-            tid,
-            Branch {
-                core: TxCore::coordinator(tid, Some(deadline), cfg),
-                born: now,
-                first_lsn: None,
-                calls: BTreeSet::new(),
-            },
-        );
-        node.clients.insert(
+        self.nodes[c].clients.insert(
             tid,
             Client {
                 kind,
@@ -1288,6 +1172,13 @@ impl Sim {
         );
         for (target, ops) in plan {
             if target == c {
+                let enlisted = match self.nodes[c].tm.as_mut() {
+                    Some(tm) => tm.enlist(tid, KvRes),
+                    None => return,
+                };
+                if let Err(f) = enlisted {
+                    return self.client_abort(c, tid, f.to_string());
+                }
                 match self.run_ops(c, tid, &ops) {
                     Ok(vals) => {
                         if let Some(cl) = self.nodes[c].clients.get_mut(&tid) {
@@ -1297,12 +1188,28 @@ impl Sim {
                     Err(e) => return self.client_abort(c, tid, e),
                 }
             } else {
+                let (to, to_inc) = (self.nodes[target].id, self.nodes[target].inc);
+                let Some(tm) = self.nodes[c].tm.as_mut() else {
+                    return;
+                };
+                if let Err(f) = tm.call_out(tid, to, to_inc) {
+                    return self.client_abort(c, tid, f.to_string());
+                }
+                let budget_us = tm
+                    .deadline(tid)
+                    .map(|d| d.saturating_duration_since(now).as_micros() as u64);
                 let call = self.next_call;
                 self.next_call += 1;
                 if let Some(cl) = self.nodes[c].clients.get_mut(&tid) {
                     cl.pending.insert(call);
                 }
-                self.send(c, target, Msg::Call { tid, call, ops });
+                let ctx = TxContext {
+                    tid,
+                    path: SubPath::top(),
+                    budget_us,
+                    baggage: Default::default(),
+                };
+                self.send(c, target, Msg::Call { ctx, call, ops });
             }
         }
         let pending = self.nodes[c]
@@ -1316,7 +1223,7 @@ impl Sim {
             if let Some(cl) = self.nodes[c].clients.get_mut(&tid) {
                 cl.decided = true;
             }
-            self.feed(c, tid, Input::Commit);
+            self.commit(c, tid);
         }
     }
 
@@ -1339,11 +1246,15 @@ impl Sim {
                 self.violation("liveness", format!("n{} is still down", i + 1));
                 continue;
             }
-            let stuck: Vec<String> = n
-                .txs
-                .iter()
-                .map(|(t, b)| format!("{t} {}", phase_name(b.core.phase())))
-                .collect();
+            let stuck: Vec<String> =
+                n.tm.as_ref()
+                    .map(|tm| {
+                        tm.list()
+                            .into_iter()
+                            .map(|t| format!("{} {}", t.tid, t.phase))
+                            .collect()
+                    })
+                    .unwrap_or_default();
             let prepared = n.store.prepared_tids();
             let locked = n.locks.len();
             let clients = n.clients.len();
@@ -1380,17 +1291,6 @@ impl Sim {
 /// Locks are only ever tried (no-wait), so a release never has a waiter to wake.
 fn released(w: Wakeups) {
     debug_assert!(w.is_empty(), "no-wait locking queued a waiter");
-}
-
-fn phase_name(p: &Phase) -> &'static str {
-    match p {
-        Phase::Active => "active",
-        Phase::Preparing => "preparing",
-        Phase::Forcing => "forcing",
-        Phase::Prepared => "prepared (in doubt)",
-        Phase::Committing => "committing",
-        Phase::Done(_) => "done",
-    }
 }
 
 /// The placement and tables every replica starts with.
