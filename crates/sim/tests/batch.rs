@@ -111,7 +111,7 @@ fn ci_batch() {
     let seeds: u64 = std::env::var("WEFT_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(30_000);
+        .unwrap_or(24_000);
     let b = run_batch(0, seeds, &SimConfig::default(), |done, r| {
         if !r.passed() {
             eprintln!("{}", r.failure_text());
