@@ -171,9 +171,11 @@ async fn a_killed_node_fails_pending_calls_with_host_dead_and_aborts_its_transac
     let caller = c.node(1).clone();
     let pending =
         tokio::spawn(async move { caller.call::<_, u64>(&addr("slow@3"), 60_000u64).await });
-    wait_for("the slow call runs at node 3", Duration::from_secs(60), || {
-        SLOW_STARTED.lock().contains(&60_000)
-    })
+    wait_for(
+        "the slow call runs at node 3",
+        Duration::from_secs(60),
+        || SLOW_STARTED.lock().contains(&60_000),
+    )
     .await;
     c.node(3).crash();
     c.node(2).crash();
