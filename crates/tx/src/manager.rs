@@ -125,6 +125,9 @@ impl TmConfig {
 pub struct Enlisted {
     resource: Arc<dyn Resource>,
     class: ParticipationClass,
+    /// Asked once, at enlistment: the core consults it under its lock,
+    /// where no resource code may run.
+    commits_from_this_log: bool,
 }
 
 impl std::fmt::Debug for Enlisted {
@@ -141,7 +144,7 @@ impl ResourceRef for Enlisted {
         self.class
     }
     fn commits_from_this_log(&self) -> bool {
-        self.resource.commits_from_this_log()
+        self.commits_from_this_log
     }
     fn same(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.resource, &other.resource)
@@ -149,7 +152,12 @@ impl ResourceRef for Enlisted {
 }
 
 fn handle(resource: Arc<dyn Resource>, class: ParticipationClass) -> Enlisted {
-    Enlisted { resource, class }
+    let commits_from_this_log = resource.commits_from_this_log();
+    Enlisted {
+        resource,
+        class,
+        commits_from_this_log,
+    }
 }
 
 type Core = TmCore<Enlisted>;
@@ -312,11 +320,8 @@ impl TxManager {
     /// transaction recovered from the log (it must ignore outcomes of
     /// branches it does not hold).
     pub fn register_resource(&self, resource: Arc<dyn Resource>) {
-        let class = resource.class();
-        self.inner
-            .core
-            .lock()
-            .register_resource(handle(resource.clone(), class));
+        let h = handle(resource.clone(), resource.class());
+        self.inner.core.lock().register_resource(h);
         self.inner.resources.write().push(resource);
     }
 
@@ -391,12 +396,14 @@ impl TxManager {
         let (tx, rx) = oneshot::channel();
         inner.admits.lock().insert(call, tx);
         let mut out = Vec::new();
+        // Resource code runs before the core's lock is taken, never under it.
+        let resource = resource.map(|(r, class)| handle(r, class));
         let joined = inner.core.lock().call_in(
             Instant::now(),
             ctx,
             from.node,
             from.role == PeerRole::Node,
-            resource.map(|(r, class)| handle(r, class)),
+            resource,
             CallId(call),
             &mut out,
         );
@@ -429,8 +436,8 @@ impl TxManager {
     /// Fails with NoSuchTransaction when unknown here, Aborted when no longer
     /// active.
     pub fn enlist(&self, tid: Tid, resource: Arc<dyn Resource>) -> Result<(), Failure> {
-        let class = resource.class();
-        self.inner.core.lock().enlist(tid, handle(resource, class))
+        let h = handle(resource.clone(), resource.class());
+        self.inner.core.lock().enlist(tid, h)
     }
 
     /// Commits a transaction this node created: two-phase commit down the

@@ -130,7 +130,9 @@ impl std::fmt::Display for CrashPoint {
 
 /// How the core sees a resource manager: an opaque, cloneable handle the
 /// driver resolves when it carries out an action. The real node uses
-/// `Arc<dyn Resource>`; a simulator may use a plain index.
+/// `Arc<dyn Resource>`; a simulator may use a plain index. The core calls
+/// these methods while it runs (a driver may hold a lock around it): they
+/// must answer at once and never call back into the driver.
 pub trait ResourceRef: Clone + Send + 'static {
     /// A name for listings.
     fn name(&self) -> String;

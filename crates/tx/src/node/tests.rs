@@ -83,12 +83,15 @@ struct Node {
     sync_forces: bool,
 }
 
+/// Drops a message when it answers true.
+type DropRule = Box<dyn FnMut(NodeId, NodeId, &TxMsg) -> bool>;
+
 struct World {
     now: Instant,
     nodes: BTreeMap<NodeId, Node>,
     net: VecDeque<(NodeId, NodeId, TxMsg)>,
     /// Messages matching this are dropped (once each).
-    drop_next: Vec<Box<dyn FnMut(NodeId, NodeId, &TxMsg) -> bool>>,
+    drop_next: Vec<DropRule>,
     history: Vec<String>,
     next_waiter: u64,
 }
