@@ -628,6 +628,8 @@ struct Entry<R> {
     commit_appended: bool,
     vote_after: Vec<Tid>,
     first_lsn: Option<Lsn>,
+    /// The position of the record being forced.
+    forcing: Option<Lsn>,
     prep: Prep,
     /// A participant's forced prepare record waits for its barrier.
     after_force_barrier: Option<BarrierId>,
@@ -967,6 +969,7 @@ impl<R: ResourceRef> TmCore<R> {
             commit_appended: false,
             vote_after: Vec::new(),
             first_lsn: None,
+            forcing: None,
             prep: Prep::Idle,
             after_force_barrier: None,
             halted: false,
@@ -2024,6 +2027,7 @@ impl<R: ResourceRef> TmCore<R> {
             Durability::Force => {
                 self.stats.forced_records += 1;
                 e.wrote_durable = true;
+                e.forcing = Some(lsn);
                 e.expecting_force = false;
                 if token.commit && coordinator && early_lock_release {
                     // Early lock release: once its commit record is in the
@@ -2043,9 +2047,14 @@ impl<R: ResourceRef> TmCore<R> {
     }
 
     fn on_forced(&mut self, tid: Tid, out: &mut Vec<Action<R>>) {
-        let Some(e) = self.txs.get(&tid) else {
+        let Some(e) = self.txs.get_mut(&tid) else {
             return;
         };
+        // The log is durable at least up to the forced record.
+        if let Some(lsn) = e.forcing.take() {
+            self.durable = self.durable.max(lsn);
+        }
+        let e = &*e;
         if e.halted || *e.core.phase() != Phase::Forcing {
             return;
         }
