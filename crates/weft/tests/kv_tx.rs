@@ -61,7 +61,7 @@ async fn a_distributed_write_commits_everywhere_or_nowhere() {
     kv(&tx, 3, vec![Op::Put(b("y"), b("1"))]).await.unwrap();
     assert_eq!(stores[1].committed(b"x"), None, "not visible before commit");
     tx.commit().await.unwrap();
-    wait_for("writes applied", Duration::from_secs(2), || {
+    wait_for("writes applied", Duration::from_secs(60), || {
         stores[1].committed(b"x") == Some(b("1")) && stores[2].committed(b"y") == Some(b("1"))
     })
     .await;
@@ -137,7 +137,7 @@ async fn strict_two_phase_locking_prevents_lost_updates_and_dirty_reads() {
     for t in tasks {
         t.await.unwrap();
     }
-    wait_for("all increments applied", Duration::from_secs(3), || {
+    wait_for("all increments applied", Duration::from_secs(60), || {
         stores[1].committed(b"counter").and_then(|v| parse_int(&v)) == Some(80)
     })
     .await;
@@ -229,7 +229,7 @@ async fn nested_transactions_abort_alone_or_pass_effects_up() {
     tx.commit().await.unwrap();
     // Each participant applies the outcome when its Commit arrives, after
     // the coordinator has answered: wait for both.
-    wait_for("applied", Duration::from_secs(2), || {
+    wait_for("applied", Duration::from_secs(60), || {
         stores[2].committed(b"s2").is_some() && stores[1].committed(b"parent").is_some()
     })
     .await;
@@ -415,7 +415,7 @@ async fn committed_writes_survive_a_crash_and_restart_from_the_data_directory() 
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    wait_for("applied", Duration::from_secs(2), || {
+    wait_for("applied", Duration::from_secs(60), || {
         n2.tm().list().is_empty()
     })
     .await;
@@ -455,7 +455,7 @@ async fn a_checkpoint_survives_power_loss_and_a_log_past_its_snapshot_is_refused
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    wait_for("applied", Duration::from_secs(2), || {
+    wait_for("applied", Duration::from_secs(60), || {
         n2.tm().list().is_empty()
     })
     .await;

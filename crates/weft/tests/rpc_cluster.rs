@@ -113,7 +113,7 @@ async fn calls_across_five_nodes_without_and_with_a_transaction() {
     tx.commit().await.unwrap();
     // Read-only everywhere: every branch left at once and wrote nothing.
     for n in &c.nodes {
-        wait_for("branches forgotten", Duration::from_secs(2), || {
+        wait_for("branches forgotten", Duration::from_secs(60), || {
             n.tm().status(tid).is_none()
         })
         .await;

@@ -102,7 +102,7 @@ async fn a_participants_held_vote_holds_the_commit_until_released() {
     let tid = tx.tid();
     let (): () = tx.call(&touch(), ()).await.unwrap();
     let commit = tokio::spawn(async move { tx.commit().await });
-    wait_for("the vote is held", Duration::from_secs(30), || {
+    wait_for("the vote is held", Duration::from_secs(60), || {
         r.barriers.load(Ordering::SeqCst) == 1
     })
     .await;
@@ -165,7 +165,7 @@ async fn the_coordinators_own_barrier_gates_its_decision() {
     let tid = tx.tid();
     c.node(1).tm().enlist(tx.tid(), r.clone()).unwrap();
     let commit = tokio::spawn(async move { tx.commit().await });
-    wait_for("the vote is held", Duration::from_secs(30), || {
+    wait_for("the vote is held", Duration::from_secs(60), || {
         r.barriers.load(Ordering::SeqCst) == 1
     })
     .await;
@@ -256,7 +256,7 @@ async fn t2_after_t1(
     let t2 = tokio::spawn(async move { t2.commit().await });
     if lose_first_vote {
         // Node 2 voted (the vote is lost on the way).
-        wait_for("node 2 voted", Duration::from_secs(30), || {
+        wait_for("node 2 voted", Duration::from_secs(60), || {
             phase(c, 2, t2_tid) == "prepared"
         })
         .await;
@@ -265,7 +265,7 @@ async fn t2_after_t1(
         // The coordinator's retried Prepare draws the vote again.
     }
     // The vote, naming T1, waits at the coordinator for T1's commit record.
-    wait_for("T2's vote waits for T1", Duration::from_secs(30), || {
+    wait_for("T2's vote waits for T1", Duration::from_secs(60), || {
         c.node(1).tm().bookkeeping().side_tables == 1
     })
     .await;
