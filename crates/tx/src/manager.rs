@@ -125,6 +125,9 @@ impl TmConfig {
 pub struct Enlisted {
     resource: Arc<dyn Resource>,
     class: ParticipationClass,
+    /// Asked once, at enlistment: the core consults it under its lock,
+    /// where no resource code may run.
+    commits_from_this_log: bool,
 }
 
 impl std::fmt::Debug for Enlisted {
@@ -141,7 +144,7 @@ impl ResourceRef for Enlisted {
         self.class
     }
     fn commits_from_this_log(&self) -> bool {
-        self.resource.commits_from_this_log()
+        self.commits_from_this_log
     }
     fn same(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.resource, &other.resource)
@@ -149,7 +152,12 @@ impl ResourceRef for Enlisted {
 }
 
 fn handle(resource: Arc<dyn Resource>, class: ParticipationClass) -> Enlisted {
-    Enlisted { resource, class }
+    let commits_from_this_log = resource.commits_from_this_log();
+    Enlisted {
+        resource,
+        class,
+        commits_from_this_log,
+    }
 }
 
 type Core = TmCore<Enlisted>;
@@ -312,11 +320,8 @@ impl TxManager {
     /// transaction recovered from the log (it must ignore outcomes of
     /// branches it does not hold).
     pub fn register_resource(&self, resource: Arc<dyn Resource>) {
-        let class = resource.class();
-        self.inner
-            .core
-            .lock()
-            .register_resource(handle(resource.clone(), class));
+        let h = handle(resource.clone(), resource.class());
+        self.inner.core.lock().register_resource(h);
         self.inner.resources.write().push(resource);
     }
 
@@ -391,12 +396,14 @@ impl TxManager {
         let (tx, rx) = oneshot::channel();
         inner.admits.lock().insert(call, tx);
         let mut out = Vec::new();
+        // Resource code runs before the core's lock is taken, never under it.
+        let resource = resource.map(|(r, class)| handle(r, class));
         let joined = inner.core.lock().call_in(
             Instant::now(),
             ctx,
             from.node,
             from.role == PeerRole::Node,
-            resource.map(|(r, class)| handle(r, class)),
+            resource,
             CallId(call),
             &mut out,
         );
@@ -429,8 +436,8 @@ impl TxManager {
     /// Fails with NoSuchTransaction when unknown here, Aborted when no longer
     /// active.
     pub fn enlist(&self, tid: Tid, resource: Arc<dyn Resource>) -> Result<(), Failure> {
-        let class = resource.class();
-        self.inner.core.lock().enlist(tid, handle(resource, class))
+        let h = handle(resource.clone(), resource.class());
+        self.inner.core.lock().enlist(tid, h)
     }
 
     /// Commits a transaction this node created: two-phase commit down the
@@ -983,12 +990,6 @@ mod tests {
         tm.on_call_out(ctx, NodeId(3)).is_ok()
     }
 
-    async fn settle() {
-        for _ in 0..50 {
-            tokio::task::yield_now().await;
-        }
-    }
-
     #[tokio::test]
     async fn a_death_concerns_the_incarnation_and_the_transactions_it_was_announced_to() {
         let dir = tempfile::tempdir().expect("temporary directory");
@@ -1018,7 +1019,6 @@ mod tests {
         tm.inner
             .feed(dead(Status::ProcDead, Some(Incarnation(7)), None))
             .await;
-        settle().await;
         assert!(active(&tm, &older) && active(&tm, &newer));
 
         // Incarnation 1's death, announced between the two, ends only the
@@ -1030,13 +1030,11 @@ mod tests {
                 Some(announced_at),
             ))
             .await;
-        settle().await;
         assert!(!active(&tm, &older), "it used the node that died");
         assert!(active(&tm, &newer), "it began after the announcement");
 
         // Without an incarnation, a death concerns every child at the node.
         tm.inner.feed(dead(Status::HostDead, None, None)).await;
-        settle().await;
         assert!(!active(&tm, &newer));
     }
 
@@ -1094,6 +1092,8 @@ mod tests {
     struct Holding {
         held: parking_lot::Mutex<std::collections::BTreeSet<Tid>>,
         gate: Option<(Notify, Notify)>,
+        /// Notified whenever `held` shrinks.
+        changed: Notify,
     }
 
     impl Holding {
@@ -1137,11 +1137,13 @@ mod tests {
 
         fn commit(&self, tid: Tid) -> futures::future::BoxFuture<'_, ()> {
             self.held.lock().remove(&tid);
+            self.changed.notify_one();
             Box::pin(async {})
         }
 
         fn abort(&self, tid: Tid) -> futures::future::BoxFuture<'_, ()> {
             self.held.lock().remove(&tid);
+            self.changed.notify_one();
             Box::pin(async {})
         }
 
@@ -1155,14 +1157,18 @@ mod tests {
     }
 
     /// Polls `cond` (generously bounded): a spawned follow-up must run.
-    async fn eventually(what: &str, cond: impl Fn() -> bool) {
-        for _ in 0..10_000 {
-            if cond() {
-                return;
+    /// Waits until `cond` holds, re-checking whenever `changed` is
+    /// notified (a spawned follow-up must run); no sleeps. The timeout only
+    /// turns a hang into a failure.
+    async fn until(what: &str, changed: &Notify, cond: impl Fn() -> bool) {
+        while !cond() {
+            if tokio::time::timeout(Duration::from_secs(60), changed.notified())
+                .await
+                .is_err()
+            {
+                panic!("never: {what}");
             }
-            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        panic!("never: {what}");
     }
 
     /// Issue 16 item 11: a call still running when its transaction aborted
@@ -1203,7 +1209,10 @@ mod tests {
         assert_eq!(orphans[0].phase, "orphaned");
         assert_eq!(orphans[0].resources, vec!["holding: something".to_string()]);
         drop(call);
-        eventually("the leftover is undone", || !res.holds(ctx.tid)).await;
+        until("the leftover is undone", &res.changed, || {
+            !res.holds(ctx.tid)
+        })
+        .await;
         assert!(tm.orphans().is_empty());
     }
 
@@ -1230,19 +1239,23 @@ mod tests {
         open.notify_one();
         let err = committing.await.expect("joined").unwrap_err();
         assert_eq!(err.status, Status::Aborted, "{err}");
-        eventually("the prepared branch is undone", || !res.holds(ctx.tid)).await;
+        until("the prepared branch is undone", &res.changed, || {
+            !res.holds(ctx.tid)
+        })
+        .await;
         assert!(tm.list().is_empty(), "{:?}", tm.list());
     }
 
     /// Collects the protocol messages a node without a transaction manager
     /// receives.
     #[derive(Default)]
-    struct Capture(parking_lot::Mutex<Vec<TxMsg>>);
+    struct Capture(parking_lot::Mutex<Vec<TxMsg>>, Notify);
 
     impl PortHandler for Capture {
         fn on_message(&self, _from: PeerRef, payload: Payload) {
             if let Ok(m) = payload.decode::<TxMsg>() {
                 self.0.lock().push(m);
+                self.1.notify_one();
             }
         }
     }
@@ -1269,7 +1282,7 @@ mod tests {
             let tm = tm.clone();
             async move { tm.commit(ctx.tid).await }
         });
-        eventually("node 2 is asked to prepare", || {
+        until("node 2 is asked to prepare", &seen.1, || {
             seen.0
                 .lock()
                 .iter()
@@ -1297,7 +1310,12 @@ mod tests {
                     .any(|m| matches!(m, TxMsg::Abort { tid, .. } if *tid == t))
             }
         };
-        eventually("node 2 hears the writer's abort", aborted(writer)).await;
-        eventually("node 2 hears its own transaction's abort", aborted(ctx.tid)).await;
+        until("node 2 hears the writer's abort", &seen.1, aborted(writer)).await;
+        until(
+            "node 2 hears its own transaction's abort",
+            &seen.1,
+            aborted(ctx.tid),
+        )
+        .await;
     }
 }

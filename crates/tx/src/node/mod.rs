@@ -130,7 +130,9 @@ impl std::fmt::Display for CrashPoint {
 
 /// How the core sees a resource manager: an opaque, cloneable handle the
 /// driver resolves when it carries out an action. The real node uses
-/// `Arc<dyn Resource>`; a simulator may use a plain index.
+/// `Arc<dyn Resource>`; a simulator may use a plain index. The core calls
+/// these methods while it runs (a driver may hold a lock around it): they
+/// must answer at once and never call back into the driver.
 pub trait ResourceRef: Clone + Send + 'static {
     /// A name for listings.
     fn name(&self) -> String;
@@ -626,6 +628,8 @@ struct Entry<R> {
     commit_appended: bool,
     vote_after: Vec<Tid>,
     first_lsn: Option<Lsn>,
+    /// The position of the record being forced.
+    forcing: Option<Lsn>,
     prep: Prep,
     /// A participant's forced prepare record waits for its barrier.
     after_force_barrier: Option<BarrierId>,
@@ -965,6 +969,7 @@ impl<R: ResourceRef> TmCore<R> {
             commit_appended: false,
             vote_after: Vec::new(),
             first_lsn: None,
+            forcing: None,
             prep: Prep::Idle,
             after_force_barrier: None,
             halted: false,
@@ -2022,6 +2027,7 @@ impl<R: ResourceRef> TmCore<R> {
             Durability::Force => {
                 self.stats.forced_records += 1;
                 e.wrote_durable = true;
+                e.forcing = Some(lsn);
                 e.expecting_force = false;
                 if token.commit && coordinator && early_lock_release {
                     // Early lock release: once its commit record is in the
@@ -2041,9 +2047,14 @@ impl<R: ResourceRef> TmCore<R> {
     }
 
     fn on_forced(&mut self, tid: Tid, out: &mut Vec<Action<R>>) {
-        let Some(e) = self.txs.get(&tid) else {
+        let Some(e) = self.txs.get_mut(&tid) else {
             return;
         };
+        // The log is durable at least up to the forced record.
+        if let Some(lsn) = e.forcing.take() {
+            self.durable = self.durable.max(lsn);
+        }
+        let e = &*e;
         if e.halted || *e.core.phase() != Phase::Forcing {
             return;
         }

@@ -72,17 +72,26 @@ struct Node {
     admitted: HashMap<u64, Result<(), Failure>>,
     crash_at: Option<CrashPoint>,
     crashed: bool,
+    /// Barriers the test answers itself (see `World::release`).
+    hold_barriers: bool,
+    held_barriers: Vec<(BarrierId, Tid)>,
+    /// Prepares the test answers itself.
+    hold_prepares: bool,
+    held_prepares: Vec<Tid>,
     /// Crash points reached.
     reached: Vec<(CrashPoint, Tid)>,
     sync_forces: bool,
 }
+
+/// Drops a message when it answers true.
+type DropRule = Box<dyn FnMut(NodeId, NodeId, &TxMsg) -> bool>;
 
 struct World {
     now: Instant,
     nodes: BTreeMap<NodeId, Node>,
     net: VecDeque<(NodeId, NodeId, TxMsg)>,
     /// Messages matching this are dropped (once each).
-    drop_next: Vec<Box<dyn FnMut(NodeId, NodeId, &TxMsg) -> bool>>,
+    drop_next: Vec<DropRule>,
     history: Vec<String>,
     next_waiter: u64,
 }
@@ -123,6 +132,10 @@ impl World {
                 admitted: HashMap::new(),
                 crash_at: None,
                 crashed: false,
+                hold_barriers: false,
+                held_barriers: Vec::new(),
+                hold_prepares: false,
+                held_prepares: Vec::new(),
                 reached: Vec::new(),
                 sync_forces: true,
             },
@@ -186,6 +199,9 @@ impl World {
                 }
                 Action::AwaitLazy { tid, .. } => node.pending.push(Event::LazyDurable { tid }),
                 Action::WaitDurable { lsn } => node.pending.push(Event::Durable { upto: lsn }),
+                Action::ResourcePrepare { tid, .. } if node.hold_prepares => {
+                    node.held_prepares.push(tid);
+                }
                 Action::ResourcePrepare { tid, .. } => {
                     let vote = node
                         .votes
@@ -201,6 +217,9 @@ impl World {
                 Action::QueryDependencies { tid, .. } => {
                     let result = Ok(node.deps.get(&tid).cloned().unwrap_or_default());
                     feed(node, Event::Dependencies { tid, result }, &mut queue);
+                }
+                Action::VoteBarrier { id, tid, .. } if node.hold_barriers => {
+                    node.held_barriers.push((id, tid));
                 }
                 Action::VoteBarrier { id, tid, .. } => {
                     let result = if node.refuse.contains(&tid) {
@@ -377,6 +396,25 @@ impl World {
             .filter(|(t, _)| *t == tid)
             .map(|(_, w)| *w)
             .collect()
+    }
+
+    /// Answers node `i`'s held barriers of `tid` with `result`.
+    fn release(&mut self, i: u32, tid: Tid, result: Result<(), String>) {
+        let node = self.node(i);
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            node.held_barriers.drain(..).partition(|(_, t)| *t == tid);
+        node.held_barriers = rest;
+        assert!(!mine.is_empty(), "no barrier of {tid} is held at node {i}");
+        for (id, _) in mine {
+            self.step(
+                i,
+                Event::BarrierDone {
+                    id,
+                    result: result.clone(),
+                },
+            );
+        }
+        self.settle();
     }
 
     fn dump(&self) -> String {
@@ -998,4 +1036,204 @@ fn a_million_transactions_leave_bounded_bookkeeping() {
     // Retention reclaims the rest once time passes.
     core.step_into(now + Duration::from_secs(1), Event::Tick, &mut out);
     assert_eq!(core.tombstone_count(), 0);
+}
+
+#[test]
+fn a_participants_held_barrier_holds_the_decision_until_it_allows_the_vote() {
+    let mut w = World::new(&[1, 2]);
+    w.node(2).hold_barriers = true;
+    let ctx = w.begin(1);
+    w.call(&ctx, 1, 2, kv());
+    let waiter = w.commit(1, ctx.tid);
+    w.settle();
+    // Prepared and forced at node 2, the vote waits for the barrier.
+    assert!(matches!(
+        w.node(2).log[..],
+        [(_, TmRecord::Prepared { .. })]
+    ));
+    assert_eq!(w.node(1).core.phase(ctx.tid), Some(&Phase::Preparing));
+    assert!(w.result(1, waiter).is_none());
+    w.release(2, ctx.tid, Ok(()));
+    assert_eq!(w.result(1, waiter), Some(Ok(())), "{}", w.dump());
+}
+
+#[test]
+fn a_refused_barrier_aborts_the_prepared_participant_and_the_transaction() {
+    let mut w = World::new(&[1, 2]);
+    w.node(2).hold_barriers = true;
+    let ctx = w.begin(1);
+    w.call(&ctx, 1, 2, kv());
+    let waiter = w.commit(1, ctx.tid);
+    w.settle();
+    w.release(2, ctx.tid, Err("a writer it used aborted".into()));
+    let err = w.result(1, waiter).expect("answered").unwrap_err();
+    assert_eq!(err.status, Status::Aborted);
+    assert!(err.detail.contains("a writer it used aborted"), "{err}");
+    assert_eq!(w.told(2, ctx.tid), vec!["abort"]);
+    // A read-only vote refused by its barrier becomes No.
+    let ctx = w.begin(1);
+    w.call(&ctx, 1, 2, kv());
+    w.node(2).votes.insert(ctx.tid, Vote::ReadOnly);
+    let waiter = w.commit(1, ctx.tid);
+    w.settle();
+    w.release(2, ctx.tid, Err("it read a value never committed".into()));
+    let err = w.result(1, waiter).expect("answered").unwrap_err();
+    assert!(err.detail.contains("never committed"), "{err}");
+}
+
+#[test]
+fn the_coordinators_own_barrier_comes_before_its_commit_record() {
+    let mut w = World::new(&[1]);
+    w.node(1).hold_barriers = true;
+    let ctx = w.begin(1);
+    w.local_call(&ctx, 1, 1, kv());
+    let waiter = w.commit(1, ctx.tid);
+    w.settle();
+    assert!(
+        w.node(1).log.is_empty(),
+        "nothing logged before the barrier"
+    );
+    assert!(w.result(1, waiter).is_none());
+    w.release(1, ctx.tid, Ok(()));
+    assert_eq!(w.result(1, waiter), Some(Ok(())));
+    assert!(matches!(w.node(1).log[0].1, TmRecord::Committed { .. }));
+}
+
+#[test]
+fn a_repeated_vote_still_names_what_it_waits_for() {
+    let mut w = World::new(&[1, 2]);
+    let a = w.begin(1);
+    w.local_call(&a, 1, 1, kv());
+    let b = w.begin(1);
+    w.call(&b, 1, 2, kv());
+    w.node(2).deps.insert(b.tid, vec![a.tid]);
+    // The first vote is lost.
+    w.drop_next.push(Box::new({
+        let mut once = true;
+        move |_, _, m| {
+            let hit = once && matches!(m, TxMsg::VoteAfter { .. });
+            once &= !hit;
+            hit
+        }
+    }));
+    w.node(1).hold_barriers = true; // A stays undecided
+    let wa = w.commit(1, a.tid);
+    let wb = w.commit(1, b.tid);
+    w.settle();
+    w.advance(Duration::from_millis(1));
+    w.advance(CoreConfig::default().retry);
+    let votes_after = w
+        .history
+        .iter()
+        .filter(|h| h.starts_with("2 -> 1: VoteAfter"))
+        .count();
+    assert_eq!(
+        votes_after,
+        2,
+        "the repeated vote names A too\n{}",
+        w.dump()
+    );
+    assert!(w.result(1, wb).is_none(), "B waits for A");
+    w.release(1, a.tid, Ok(()));
+    assert_eq!(w.result(1, wa), Some(Ok(())));
+    assert_eq!(w.result(1, wb), Some(Ok(())), "{}", w.dump());
+}
+
+#[test]
+fn a_prepare_overlapping_the_abort_is_undone_when_it_returns() {
+    let mut w = World::new(&[1]);
+    w.node(1).hold_prepares = true;
+    let ctx = w.begin(1);
+    w.local_call(&ctx, 1, 1, kv());
+    let waiter = w.commit(1, ctx.tid);
+    assert_eq!(w.node(1).held_prepares, vec![ctx.tid]);
+    let mut out = Vec::new();
+    w.node(1)
+        .core
+        .abort(ctx.tid, "test", &mut out)
+        .expect("live");
+    w.run(n(1), out);
+    assert_eq!(
+        w.result(1, waiter).expect("answered").unwrap_err().status,
+        Status::Aborted
+    );
+    assert!(!w.node(1).core.is_live(ctx.tid));
+    assert_eq!(w.node(1).core.side_tables(), 1, "the prepare is still out");
+    // The resource's prepare returns after the abort: it hears it again.
+    w.step(
+        1,
+        Event::ResourceVoted {
+            tid: ctx.tid,
+            vote: Vote::Yes { durable: true },
+        },
+    );
+    assert_eq!(w.told(1, ctx.tid), vec!["abort", "abort"]);
+    assert_eq!(w.node(1).core.side_tables(), 0);
+    assert!(w.node(1).log.is_empty());
+}
+
+#[test]
+fn an_aborted_sub_transaction_travels_with_prepare_and_its_resources_hear_it() {
+    let mut w = World::new(&[1, 2]);
+    let ctx = w.begin(1);
+    let sub = w.node(1).core.sub_begin(&ctx).expect("active");
+    assert_eq!(sub.path, SubPath::top().child(1));
+    w.call(&sub, 1, 2, kv());
+    let mut out = Vec::new();
+    w.node(1)
+        .core
+        .sub_end(ctx.tid, &sub.path, false, None, &mut out)
+        .expect("active");
+    assert!(out.iter().any(|a| matches!(
+        a,
+        Action::Send {
+            msg: TxMsg::SubEnded {
+                committed: false,
+                ..
+            },
+            ..
+        }
+    )));
+    w.run(n(1), out);
+    w.settle();
+    assert_eq!(w.told(2, ctx.tid), vec!["sub-ended"]);
+    let waiter = w.commit(1, ctx.tid);
+    w.settle();
+    assert_eq!(w.result(1, waiter), Some(Ok(())));
+    assert!(
+        w.history
+            .iter()
+            .any(|h| h.contains("Prepare") && h.contains("aborted_subs: [/1]")),
+        "{}",
+        w.dump()
+    );
+    let err = w
+        .node(1)
+        .core
+        .sub_end(ctx.tid, &SubPath::top(), true, None, &mut Vec::new())
+        .unwrap_err();
+    assert_eq!(err.status, Status::BadRequest);
+}
+
+#[test]
+fn next_wake_says_when_a_tick_has_work() {
+    let mut w = World::new(&[1, 2]);
+    assert_eq!(w.node(1).core.next_wake(), None, "an idle node sleeps");
+    let ctx = w.begin(1);
+    w.call(&ctx, 1, 2, kv());
+    let now = w.now;
+    // The participant's orphan check is not armed yet: the next tick arms it.
+    assert_eq!(w.node(2).core.next_wake(), Some(now));
+    w.advance(Duration::ZERO);
+    let wake = w.node(2).core.next_wake().expect("armed");
+    assert_eq!(wake, now + CoreConfig::default().orphan_check);
+    // Ticking before it sends nothing; at it, the branch inquires.
+    w.now = wake - Duration::from_millis(1);
+    w.step(2, Event::Tick);
+    assert!(w.net.is_empty());
+    w.now = wake;
+    w.step(2, Event::Tick);
+    assert!(matches!(w.net.front(), Some((_, _, TxMsg::Inquire { .. }))));
+    // The coordinator's next wake is its deadline.
+    assert_eq!(w.node(1).core.next_wake(), w.node(1).core.deadline(ctx.tid));
 }
