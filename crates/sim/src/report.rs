@@ -283,7 +283,7 @@ pub struct SeedReport {
     pub violations: Vec<Violation>,
     /// What the run reached.
     pub coverage: Coverage,
-    /// The last events before the end (all of them with tracing on), for replay.
+    /// The last events before the end (tracing prints all of them as they happen).
     pub history: Vec<String>,
 }
 

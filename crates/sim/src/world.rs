@@ -44,7 +44,7 @@ use crate::check::{self, Checker, Kind, Op};
 use crate::config::{Sabotage, SimConfig};
 use crate::report::{Coverage, CrashPoint, FaultKind, SeedReport, Violation};
 
-/// Lines of history kept for a failure report when tracing is off.
+/// Lines of history kept for a failure report (tracing prints every line as it happens).
 const HISTORY_KEPT: usize = 400;
 /// A transaction's life bound (its deadline), simulated.
 const TX_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -283,7 +283,7 @@ impl Sim {
             println!("{line}");
         }
         self.history.push_back(line);
-        if !self.cfg.trace && self.history.len() > HISTORY_KEPT {
+        if self.history.len() > HISTORY_KEPT {
             self.history.pop_front();
         }
     }
