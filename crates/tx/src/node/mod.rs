@@ -1973,7 +1973,7 @@ impl<R: ResourceRef> TmCore<R> {
                 };
                 self.send(to, msg, out);
             }
-            self.run_steps(hold.tid, hold.rest, hold.resources, out);
+            self.run_steps(hold.tid, hold.rest, Some(hold.resources), out);
             return;
         }
         // A participant's vote after its force, or a coordinator's local
@@ -2093,7 +2093,7 @@ impl<R: ResourceRef> TmCore<R> {
         while i < self.holds.len() {
             if matches!(self.holds[i].on, HoldOn::Durable(l) if l <= durable) {
                 let hold = self.holds.swap_remove(i);
-                self.run_steps(hold.tid, hold.rest, hold.resources, out);
+                self.run_steps(hold.tid, hold.rest, Some(hold.resources), out);
                 // `run_steps` may have pushed new holds: restart the scan.
                 i = 0;
             } else {
@@ -2250,29 +2250,36 @@ impl<R: ResourceRef> TmCore<R> {
             return;
         }
         let actions = e.core.step(input);
-        let resources = e.enlisted.clone();
         self.run_steps(
             tid,
             actions.into_iter().map(Step::Core).collect(),
-            resources,
+            None,
             out,
         );
     }
 
+    /// The resources a held step of `tid` needs: those it was held with,
+    /// else the live transaction's (a hold is made while it is live).
+    fn hold_resources(&self, tid: Tid, resources: Option<Vec<R>>) -> Vec<R> {
+        resources
+            .or_else(|| self.txs.get(&tid).map(|e| e.enlisted.clone()))
+            .unwrap_or_default()
+    }
+
+    /// Carries out the steps of `tid` in order until one must wait; the
+    /// rest is then held (with the resources a later barrier needs).
     fn run_steps(
         &mut self,
         tid: Tid,
         mut steps: VecDeque<Step>,
-        resources: Vec<R>,
+        resources: Option<Vec<R>>,
         out: &mut Vec<Action<R>>,
     ) {
         while let Some(step) = steps.pop_front() {
-            if self.txs.get(&tid).is_some_and(|e| e.halted) {
-                return;
-            }
             match step {
                 Step::Core(a) => {
                     if let Some(hold_on) = self.core_action(tid, a, &mut steps, out) {
+                        let resources = self.hold_resources(tid, resources);
                         self.holds.push(Hold {
                             tid,
                             on: hold_on,
@@ -2284,6 +2291,7 @@ impl<R: ResourceRef> TmCore<R> {
                 }
                 Step::SendVote { to, msg } => {
                     // Past the durable wait: now the barrier.
+                    let resources = self.hold_resources(tid, resources);
                     let id = self.barrier_id();
                     out.push(Action::VoteBarrier {
                         id,
