@@ -1,9 +1,11 @@
 //! # weft-sim: deterministic simulation of a whole weft cluster
 //!
-//! One thread, one seed, a whole cluster: several nodes, each with weft's real commit
-//! protocol core ([`weft_tx::core::TxCore`], one per transaction), the real KV store and lock
-//! table (`weft_kv`), the real log ([`weft_log::Log`]) on a simulated disk
-//! ([`weft_log::MemDisk`]) and the real log recovery and KV snapshot code on every restart.
+//! One thread, one seed, a whole cluster: several nodes, each with weft's real transaction
+//! manager core ([`weft_tx::TmCore`]: every commit-protocol decision of the node, recovery
+//! included; the simulator only drives it, as `weft_tx::manager` does on a real node), the
+//! real KV store and lock table (`weft_kv`), the real log ([`weft_log::Log`]) on a simulated
+//! disk ([`weft_log::MemDisk`]) and the real log recovery and KV snapshot code on every
+//! restart.
 //! Around them: simulated time, a network that drops, duplicates, delays and reorders
 //! messages and cuts links (partitions that heal), crashes of any node at random instants and
 //! at the named crash points of the commit protocol, and disks that lose unsynced writes,
@@ -27,9 +29,11 @@
 //!
 //! madsim and turmoil simulate tokio (time, tasks, sockets) so that async code runs
 //! deterministically. weft's protocol cores are already sans-IO state machines
-//! (`step(input) -> actions`), as in `weft_group::core::sim`, so a simulator only has to feed
+//! (`step(event) -> actions`), as in `weft_group::core::sim`, so a simulator only has to feed
 //! them events: no executor to replace, no async code to make deterministic, and full control
-//! of the interleaving (a seeded event queue). What the simulator must own anyway — the disk
+//! of the interleaving (a seeded event queue). Under madsim the async `TxManager`, rpc and
+//! transport would run too, but every sleep and spawn of theirs would multiply the events per
+//! seed, and the log's flusher thread would still need this crate's disk seam. What the simulator must own anyway — the disk
 //! that loses unsynced writes, crash points inside the protocol, the checkers — neither crate
 //! provides. A plain event loop is also fast: hundreds of seeds per minute.
 //!
