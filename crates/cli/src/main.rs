@@ -12,6 +12,7 @@ mod net_cmd;
 mod node_cmd;
 mod raid_acks;
 mod raid_cmd;
+mod sim_cmd;
 mod status_cmd;
 mod tx_cmd;
 
@@ -49,6 +50,8 @@ enum Cmd {
     Raid(raid_cmd::RaidCmd),
     /// Create, join, send to and list process groups.
     Group(group_cmd::GroupArgs),
+    /// Deterministic whole-cluster simulation under many seeds (faults, crashes, checkers).
+    Sim(sim_cmd::SimArgs),
     /// Benchmarks against same-run baselines.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -66,9 +69,15 @@ fn main() {
         std::process::exit(weft_transport::shm::bench::peer_main(args[2..].to_vec()));
     }
     let cli = Cli::parse();
+    // The simulator crashes nodes thousands of times a second: their logs' own error lines
+    // would drown its report, so it is quiet unless a filter is asked for.
+    let filter = match (&cli.cmd, cli.log.as_str()) {
+        (Cmd::Sim(_), "warn") => "off",
+        (_, f) => f,
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -88,6 +97,7 @@ fn main() {
             Cmd::Group(a) => group_cmd::run(a).await,
             Cmd::Bench(c) => bench::run(c).await,
             Cmd::Net(c) => net_cmd::run(c).await,
+            Cmd::Sim(a) => sim_cmd::run(a).await,
         }
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));

@@ -10,8 +10,7 @@
 //! with its parents synced), and never let recovery start over an empty store
 //! when the log's earlier records are gone.
 
-use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use weft_log::Durability;
@@ -139,16 +138,16 @@ pub fn write(dur: &Durability, dir: &Path, lsn: u64, image: &Image) -> Result<()
     })?;
     let tmp = dir.join("kv.snapshot.tmp");
     {
-        let mut f = dur
-            .create_file(&tmp)
+        let f = dur
+            .create(&tmp)
             .map_err(io_err(format!("creating {}", tmp.display())))?;
         let mut head = Vec::with_capacity(HEADER);
         head.extend_from_slice(MAGIC);
         head.extend_from_slice(&lsn.to_le_bytes());
         head.extend_from_slice(&(body.len() as u64).to_le_bytes());
         head.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
-        f.write_all(&head)
-            .and_then(|()| f.write_all(&body))
+        f.write_all_at(&head, 0)
+            .and_then(|()| f.write_all_at(&body, HEADER as u64))
             .map_err(io_err("writing the snapshot"))?;
         f.sync_all().map_err(io_err("syncing the snapshot"))?;
     }
@@ -162,15 +161,17 @@ pub fn write(dur: &Durability, dir: &Path, lsn: u64, image: &Image) -> Result<()
 /// check out (a snapshot is only ever replaced atomically, so this is damage,
 /// not a crash), [`SnapshotError::Io`] otherwise.
 pub fn read(dir: &Path) -> Result<Option<(u64, Image)>, SnapshotError> {
+    read_on(&Durability::new(), dir)
+}
+
+/// [`read`] through the storage behind `dur` (a simulated disk in the simulator).
+pub fn read_on(dur: &Durability, dir: &Path) -> Result<Option<(u64, Image)>, SnapshotError> {
     let p = path(dir);
-    let mut f = match File::open(&p) {
-        Ok(f) => f,
+    let bytes = match dur.read(&p) {
+        Ok(bytes) => bytes,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_err(format!("opening {}", p.display()))(e)),
+        Err(e) => return Err(io_err(format!("reading {}", p.display()))(e)),
     };
-    let mut bytes = Vec::new();
-    f.read_to_end(&mut bytes)
-        .map_err(io_err(format!("reading {}", p.display())))?;
     let corrupt = |reason: &str| SnapshotError::Corrupt {
         path: p.clone(),
         reason: reason.into(),

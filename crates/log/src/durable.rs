@@ -24,18 +24,27 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::storage::{RealFs, Storage, StorageFile};
+
 /// How directory entries are changed and made durable: the real file system, optionally
 /// watched by a [`PowerLoss`] simulation.
 ///
 /// Cheap to clone. [`Durability::default`] is the real file system alone.
+///
+/// [`Durability::on`] puts every operation on another [`Storage`] backend instead (the
+/// in-memory [`crate::MemDisk`] of the whole-cluster simulator): the log, its metadata and
+/// snapshots written through [`Durability::create`] then live there.
 #[derive(Clone, Default)]
 pub struct Durability {
     sim: Option<Arc<PowerLoss>>,
+    storage: Option<Arc<dyn Storage>>,
 }
 
 impl fmt::Debug for Durability {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.sim.is_some() {
+        f.write_str(if self.storage.is_some() {
+            "Durability(simulated storage)"
+        } else if self.sim.is_some() {
             "Durability(simulated power loss)"
         } else {
             "Durability"
@@ -64,7 +73,61 @@ impl Durability {
     pub fn simulated(sim: &Arc<PowerLoss>) -> Durability {
         Durability {
             sim: Some(Arc::clone(sim)),
+            storage: None,
         }
+    }
+
+    /// Every operation goes to `storage` instead of the real file system (no [`PowerLoss`]
+    /// recording: the backend simulates what it wants).
+    #[must_use]
+    pub fn on(storage: Arc<dyn Storage>) -> Durability {
+        Durability {
+            sim: None,
+            storage: Some(storage),
+        }
+    }
+
+    /// True when operations reach the real file system.
+    #[must_use]
+    pub fn is_real(&self) -> bool {
+        self.storage.as_ref().is_none_or(|s| s.is_real())
+    }
+
+    fn backend(&self) -> &dyn Storage {
+        match &self.storage {
+            Some(s) => s.as_ref(),
+            None => &RealFs,
+        }
+    }
+
+    /// Creates (or truncates) `path` for reading and writing on this seam's backend, like
+    /// [`Durability::create_file`] (the entry is not durable until its directory is synced).
+    pub fn create(&self, path: &Path) -> io::Result<Box<dyn StorageFile>> {
+        if self.storage.is_some() {
+            return self.backend().create(path);
+        }
+        Ok(Box::new(self.create_file(path)?))
+    }
+
+    /// Opens the existing file `path` for reading and writing; `NotFound` if missing.
+    pub fn open(&self, path: &Path) -> io::Result<Box<dyn StorageFile>> {
+        self.backend().open(path)
+    }
+
+    /// Reads the whole file `path`; `NotFound` if missing.
+    pub fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        self.backend().read(path)
+    }
+
+    /// Names of the entries of `dir`.
+    pub fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        self.backend().list(dir)
+    }
+
+    /// True when `path` names an existing file or directory.
+    #[must_use]
+    pub fn exists(&self, path: &Path) -> bool {
+        self.backend().exists(path)
     }
 
     /// Creates `dir` and every missing ancestor, and makes them durable: the parent of each
@@ -73,6 +136,9 @@ impl Durability {
     ///
     /// Fails with the first I/O error; a directory fsync failure is not retried.
     pub fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        if let Some(st) = &self.storage {
+            return create_dir_all_on(st.as_ref(), dir);
+        }
         let mut missing = Vec::new();
         let mut cur = dir.to_path_buf();
         loop {
@@ -117,7 +183,16 @@ impl Durability {
     /// Creates (or truncates) `path` for reading and writing. The new entry is *not* durable
     /// until its directory is synced: write the file, fsync it, then [`Durability::rename`]
     /// it into place or [`Durability::sync_dir`] its directory.
+    ///
+    /// Fails with `Unsupported` on a seam made with [`Durability::on`] (use
+    /// [`Durability::create`]).
     pub fn create_file(&self, path: &Path) -> io::Result<File> {
+        if self.storage.is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "create_file on simulated storage: use Durability::create",
+            ));
+        }
         let existed = self.sim.is_some() && path.exists();
         let file = OpenOptions::new()
             .read(true)
@@ -136,6 +211,15 @@ impl Durability {
     ///
     /// Fails with the first I/O error; the rename may then or may not survive a crash.
     pub fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        if let Some(st) = &self.storage {
+            st.rename(from, to)?;
+            let (to_dir, from_dir) = (parent_of(to), parent_of(from));
+            st.sync_dir(&to_dir)?;
+            if from_dir != to_dir {
+                st.sync_dir(&from_dir)?;
+            }
+            return Ok(());
+        }
         let displaced = match &self.sim {
             Some(_) => match fs::read(to) {
                 Ok(bytes) => Some(bytes),
@@ -161,6 +245,9 @@ impl Durability {
     /// Removes the file `path`. The removal is *not* durable until its directory is synced
     /// (remove several, then [`Durability::sync_dir`] once).
     pub fn remove_file(&self, path: &Path) -> io::Result<()> {
+        if let Some(st) = &self.storage {
+            return st.remove(path);
+        }
         let content = match &self.sim {
             Some(_) => Some(fs::read(path)?),
             None => None,
@@ -179,6 +266,9 @@ impl Durability {
     /// durable. Its failure must be treated as fatal by the caller: after a failed fsync the
     /// state of the directory on disk is unknown, and a retry that succeeds proves nothing.
     pub fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        if let Some(st) = &self.storage {
+            return st.sync_dir(dir);
+        }
         if let Some(sim) = &self.sim {
             if sim.state.lock().fail_dir_syncs {
                 return Err(io::Error::from_raw_os_error(libc::EIO));
@@ -196,6 +286,41 @@ impl Durability {
             sim.record(op);
         }
     }
+}
+
+/// [`Durability::create_dir_all`] on a non-default backend: the same order of creations and
+/// syncs as on the real file system.
+fn create_dir_all_on(st: &dyn Storage, dir: &Path) -> io::Result<()> {
+    let mut missing = Vec::new();
+    let mut cur = dir.to_path_buf();
+    while !st.is_dir(&cur) {
+        if st.exists(&cur) {
+            return Err(io::Error::new(
+                io::ErrorKind::NotADirectory,
+                format!("{} exists and is not a directory", cur.display()),
+            ));
+        }
+        let parent = parent_of(&cur);
+        if parent == cur {
+            break;
+        }
+        missing.push(cur);
+        cur = parent;
+    }
+    for d in missing.iter().rev() {
+        match st.create_dir(d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && st.is_dir(d) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    for d in &missing {
+        st.sync_dir(&parent_of(d))?;
+    }
+    if missing.is_empty() {
+        st.sync_dir(&parent_of(dir))?;
+    }
+    Ok(())
 }
 
 /// A change to a directory entry, with what is needed to undo it.

@@ -7,9 +7,7 @@
 //! fdatasync (the failure poisons the log: after an EIO the kernel may have dropped the dirty
 //! pages, and a retry that "succeeds" would lie).
 
-use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -20,6 +18,7 @@ use crate::error::{LogError, Result};
 use crate::segment;
 use crate::state::{Chunk, Plan, Shared};
 use crate::stats::add;
+use crate::storage::StorageFile;
 
 /// The flusher's private state: the file it writes.
 pub(crate) struct Flusher {
@@ -27,7 +26,7 @@ pub(crate) struct Flusher {
     /// Base of the segment `active` is.
     active_base: u64,
     /// The segment file records are written to.
-    active: File,
+    active: Box<dyn StorageFile>,
     /// Bytes were written to `active` since its last fdatasync.
     unsynced: bool,
     /// fdatasyncs attempted so far (for fault injection).
@@ -40,7 +39,7 @@ impl Flusher {
     pub(crate) fn spawn(
         shared: Arc<Shared>,
         active_base: u64,
-        active: File,
+        active: Box<dyn StorageFile>,
     ) -> Result<JoinHandle<()>> {
         let flusher = Flusher {
             shared,

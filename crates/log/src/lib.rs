@@ -37,7 +37,10 @@
 //! [`Durability`] (the one way to create, rename and remove directory entries durably, and a
 //! power-loss simulation for tests), `meta`
 //! (`log.meta`), `recovery` (scan and cut), `state` (in-memory state and the group-commit
-//! rule), `flusher` (the writing thread), `log` (the public handle), `stats`, [`bench`](mod@bench).
+//! rule), `flusher` (the writing thread), `log` (the public handle), `stats`, [`bench`](mod@bench),
+//! [`Storage`] / [`StorageFile`] (the storage seam every file operation goes through; the real
+//! file system by default) and [`MemDisk`] (a simulated disk that loses unsynced writes at a
+//! crash, may tear the last one and fails syncs on request, for the whole-cluster simulator).
 //!
 //! This crate is for Unix (it uses positional writes and `flock`).
 
@@ -52,12 +55,14 @@ mod error;
 mod flusher;
 mod log;
 mod lsn;
+mod mem;
 mod meta;
 mod record;
 mod recovery;
 mod segment;
 mod state;
 mod stats;
+mod storage;
 
 pub use crate::config::{
     LogConfig, DEFAULT_GROUP_COMMIT_MAX_DELAY, DEFAULT_LAZY_FLUSH_INTERVAL,
@@ -68,9 +73,11 @@ pub use crate::durable::{Durability, PowerLoss};
 pub use crate::error::{LogError, Result};
 pub use crate::log::{ForceIntent, Log, SegmentInfo};
 pub use crate::lsn::{Lsn, RecordTag};
+pub use crate::mem::{DiskFault, DiskStats, MemDisk};
 pub use crate::recovery::{LogRecord, Recovered};
 pub use crate::segment::SEGMENT_HEADER_LEN;
 pub use crate::stats::LogStats;
+pub use crate::storage::{RealFs, Storage, StorageFile};
 
 /// Bytes of a record header; a record with a payload of `n` bytes occupies
 /// [`encoded_len`]`(n)` bytes on disk.

@@ -80,19 +80,20 @@ impl Log {
     pub fn open(config: LogConfig) -> Result<(Log, Recovered)> {
         config.validate()?;
         dir::ensure_dir(&config.durability, &config.dir)?;
-        let lock = DirLock::acquire(&config.dir)?;
+        let lock = DirLock::acquire(&config.durability, &config.dir)?;
         let recovery = recovery::recover(&config)?;
 
         let active_base = *recovery
             .segments
             .last()
             .expect("recovery always leaves an active segment");
-        let active = segment::open(&config.dir, active_base)?;
+        let active = segment::open(&config.durability, &config.dir, active_base)?;
         if config.preallocate {
             let ctx = || format!("preallocating segment {}", segment::file_name(active_base));
-            let len = active.metadata().map_err(|e| LogError::io(ctx(), e))?.len();
+            let len = active.len().map_err(|e| LogError::io(ctx(), e))?;
             if len < config.segment_size {
-                segment::allocate(&active, config.segment_size)
+                active
+                    .allocate(config.segment_size)
                     .and_then(|()| active.sync_all())
                     .map_err(|e| LogError::io(ctx(), e))?;
             }

@@ -7,8 +7,7 @@
 //! Layout (little-endian): magic `b"WEFTMETA"` (8), version u32 (4), reserved u32 (4),
 //! first LSN u64 (8), CRC32C of bytes 0..24 (4), zero padding (4).
 
-use std::fs::File;
-use std::io::{ErrorKind, Read, Write};
+use std::io::ErrorKind;
 use std::path::Path;
 
 use crate::durable::Durability;
@@ -26,15 +25,12 @@ const META_LEN: usize = 32;
 /// Returns [`LogError::Corrupt`] if the file exists but fails its checks (renames are atomic,
 /// so a damaged meta file means damaged media, and guessing the start could replay records a
 /// checkpoint already covers), and [`LogError::Io`] if it cannot be read.
-pub(crate) fn read(dir: &Path) -> Result<Option<u64>> {
+pub(crate) fn read(dur: &Durability, dir: &Path) -> Result<Option<u64>> {
     let path = dir.join(META_FILE);
-    let mut bytes = Vec::with_capacity(META_LEN);
-    match File::open(&path) {
-        Ok(mut f) => f
-            .read_to_end(&mut bytes)
-            .map_err(|e| LogError::io(format!("reading {}", path.display()), e))?,
+    let bytes = match dur.read(&path) {
+        Ok(bytes) => bytes,
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(LogError::io(format!("opening {}", path.display()), e)),
+        Err(e) => return Err(LogError::io(format!("reading {}", path.display()), e)),
     };
     let corrupt = |reason: String| LogError::Corrupt {
         lsn: Lsn::ZERO,
@@ -75,10 +71,10 @@ pub(crate) fn write(dur: &Durability, dir: &Path, first_lsn: u64) -> Result<()> 
     let path = dir.join(META_FILE);
     let tmp = dir.join(format!("{META_FILE}{TMP_SUFFIX}"));
     let ctx = |what: &str| format!("{what} {}", tmp.display());
-    let mut f = dur
-        .create_file(&tmp)
+    let f = dur
+        .create(&tmp)
         .map_err(|e| LogError::io(ctx("creating"), e))?;
-    f.write_all(&bytes)
+    f.write_all_at(&bytes, 0)
         .map_err(|e| LogError::io(ctx("writing"), e))?;
     f.sync_all().map_err(|e| LogError::io(ctx("syncing"), e))?;
     drop(f);
@@ -93,16 +89,19 @@ mod tests {
     #[test]
     fn meta_round_trips_and_damage_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(read(dir.path()).unwrap(), None);
         let dur = Durability::new();
+        assert_eq!(read(&dur, dir.path()).unwrap(), None);
         write(&dur, dir.path(), 4096).unwrap();
-        assert_eq!(read(dir.path()).unwrap(), Some(4096));
+        assert_eq!(read(&dur, dir.path()).unwrap(), Some(4096));
         write(&dur, dir.path(), 8192).unwrap();
-        assert_eq!(read(dir.path()).unwrap(), Some(8192));
+        assert_eq!(read(&dur, dir.path()).unwrap(), Some(8192));
         let p = dir.path().join(META_FILE);
         let mut bytes = std::fs::read(&p).unwrap();
         bytes[17] ^= 1;
         std::fs::write(&p, &bytes).unwrap();
-        assert!(matches!(read(dir.path()), Err(LogError::Corrupt { .. })));
+        assert!(matches!(
+            read(&dur, dir.path()),
+            Err(LogError::Corrupt { .. })
+        ));
     }
 }

@@ -7,8 +7,6 @@
 //! be followed by them.
 
 use std::fmt;
-use std::fs;
-use std::io::Read;
 use std::path::Path;
 
 use bytes::Bytes;
@@ -149,7 +147,7 @@ pub(crate) struct Recovery {
 pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
     let dir = config.dir.as_path();
     let dur = &config.durability;
-    let meta_start = meta::read(dir)?;
+    let meta_start = meta::read(dur, dir)?;
     let bases = dir::scan(dur, dir)?;
 
     let Some(&oldest) = bases.first() else {
@@ -202,7 +200,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
             removed_any = true;
             continue;
         }
-        match scan_segment(dir, base, prev_end, start, &mut out)? {
+        match scan_segment(dur, dir, base, prev_end, start, &mut out)? {
             SegmentScan::Kept { end } => {
                 out.segments.push(base);
                 out.active_end = end;
@@ -217,7 +215,7 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
                 // The segment that holds the log start has an unusable header. If it holds no
                 // record bytes either, nothing is lost: start it afresh. Otherwise every record
                 // of the log would be dropped; refuse rather than start over empty.
-                let Some(garbage) = headerless_garbage(dir, base)? else {
+                let Some(garbage) = headerless_garbage(dur, dir, base)? else {
                     return Err(LogError::Corrupt {
                         lsn: Lsn(base),
                         reason,
@@ -273,6 +271,7 @@ enum SegmentScan {
 /// `out.recovered.records`. If an invalid record is found, cuts the file there (truncate and
 /// fsync) and records the reason in `out.recovered.tail_error`.
 fn scan_segment(
+    dur: &Durability,
     dir: &Path,
     base: u64,
     prev_end: Option<u64>,
@@ -280,10 +279,9 @@ fn scan_segment(
     out: &mut Recovery,
 ) -> Result<SegmentScan> {
     let name = segment::file_name(base);
-    let file = segment::open(dir, base)?;
-    let mut buf = Vec::new();
-    (&file)
-        .read_to_end(&mut buf)
+    let file = segment::open(dur, dir, base)?;
+    let mut buf = file
+        .read_all()
         .map_err(|e| LogError::io(format!("reading segment {name}"), e))?;
 
     match segment::decode_header(&buf) {
@@ -374,9 +372,11 @@ fn scan_segment(
 
 /// For a segment whose header is unusable: `Some(non-zero bytes in the header region)` if no
 /// byte after the header region is non-zero (the segment holds no records), else `None`.
-fn headerless_garbage(dir: &Path, base: u64) -> Result<Option<u64>> {
+fn headerless_garbage(dur: &Durability, dir: &Path, base: u64) -> Result<Option<u64>> {
     let p = segment::path(dir, base);
-    let bytes = fs::read(&p).map_err(|e| LogError::io(format!("reading {}", p.display()), e))?;
+    let bytes = dur
+        .read(&p)
+        .map_err(|e| LogError::io(format!("reading {}", p.display()), e))?;
     let split = bytes.len().min(SEGMENT_HEADER_LEN as usize);
     if !record::all_zero(&bytes[split..]) {
         return Ok(None);
@@ -392,9 +392,10 @@ fn headerless_garbage(dir: &Path, base: u64) -> Result<Option<u64>> {
 /// Removes a segment that lies after the cut, counting its size as truncated.
 fn remove_after_cut(dur: &Durability, dir: &Path, base: u64, rec: &mut Recovered) -> Result<()> {
     let p = segment::path(dir, base);
-    let len = fs::metadata(&p)
-        .map_err(|e| LogError::io(format!("inspecting {}", p.display()), e))?
-        .len();
+    let len = dur
+        .open(&p)
+        .and_then(|f| f.len())
+        .map_err(|e| LogError::io(format!("inspecting {}", p.display()), e))?;
     dur.remove_file(&p)
         .map_err(|e| LogError::io(format!("removing {}", p.display()), e))?;
     rec.truncated_bytes += len;

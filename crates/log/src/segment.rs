@@ -17,13 +17,11 @@
 //! | 24     | 4    | reserved, 0                             |
 //! | 28     | 4    | CRC32C of bytes 0..28                   |
 
-use std::fs::{File, OpenOptions};
-use std::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::durable::Durability;
 use crate::error::{LogError, Result};
+use crate::storage::StorageFile;
 
 /// Bytes in a segment header; the first record of a segment starts right after it.
 pub const SEGMENT_HEADER_LEN: u64 = 32;
@@ -111,16 +109,17 @@ pub(crate) fn create(
     base: u64,
     size: u64,
     preallocate: bool,
-) -> Result<File> {
+) -> Result<Box<dyn StorageFile>> {
     let final_path = path(dir, base);
     let tmp_path = dir.join(format!("{}{TMP_SUFFIX}", file_name(base)));
     let ctx = |what: &str| format!("{what} segment {}", final_path.display());
     let result = (|| {
         let file = dur
-            .create_file(&tmp_path)
+            .create(&tmp_path)
             .map_err(|e| LogError::io(ctx("creating"), e))?;
         if preallocate {
-            allocate(&file, size).map_err(|e| LogError::io(ctx("preallocating"), e))?;
+            file.allocate(size)
+                .map_err(|e| LogError::io(ctx("preallocating"), e))?;
         }
         file.write_all_at(&encode_header(base), 0)
             .map_err(|e| LogError::io(ctx("writing the header of"), e))?;
@@ -137,42 +136,10 @@ pub(crate) fn create(
 }
 
 /// Opens an existing segment for reading and writing. Returns [`LogError::Io`] on failure.
-pub(crate) fn open(dir: &Path, base: u64) -> Result<File> {
+pub(crate) fn open(dur: &Durability, dir: &Path, base: u64) -> Result<Box<dyn StorageFile>> {
     let p = path(dir, base);
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&p)
+    dur.open(&p)
         .map_err(|e| LogError::io(format!("opening segment {}", p.display()), e))
-}
-
-/// Makes sure `file` has `size` bytes of allocated space (its length becomes at least `size`).
-///
-/// Uses `fallocate` where the platform has it, so later writes inside the file do not change
-/// its size and fdatasync need not flush the inode's size; falls back to `set_len` (a sparse
-/// extension) where it does not.
-pub(crate) fn allocate(file: &File, size: u64) -> io::Result<()> {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        let len = libc::off_t::try_from(size)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "segment too large"))?;
-        // SAFETY: `file` is an open file we own for the duration of the call, so the raw fd is
-        // valid; fallocate only reads its scalar arguments and touches no memory of ours.
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let err = io::Error::last_os_error();
-        match err.raw_os_error() {
-            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => {}
-            _ => return Err(err),
-        }
-    }
-    if file.metadata()?.len() < size {
-        file.set_len(size)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

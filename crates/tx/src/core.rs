@@ -338,6 +338,30 @@ impl TxCore {
         self.phase == Phase::Prepared
     }
 
+    /// When a [`Input::Tick`] next has something to do (a retransmission,
+    /// an inquiry, the deadline), given the current time; `None` when
+    /// nothing is timed. A machine whose timer is not armed yet answers
+    /// `now` (the next tick arms it).
+    pub fn next_timer(&self, now: Instant) -> Option<Instant> {
+        let deadline = match self.phase {
+            Phase::Active | Phase::Preparing => self.deadline,
+            _ => None,
+        };
+        let retries = match self.phase {
+            Phase::Active => !self.coordinator,
+            Phase::Preparing | Phase::Prepared | Phase::Committing => true,
+            Phase::Forcing | Phase::Done(_) => false,
+        };
+        let retry = retries.then(|| match self.last_sent {
+            None => now,
+            Some(t) => t + self.wait,
+        });
+        match (deadline, retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// Records a child: this node called `node` (at `incarnation`) on behalf
     /// of the transaction. Returns false once the transaction is no longer
     /// active here (the call must not be made).

@@ -2,13 +2,16 @@
 //! of processes that calls build (QuickSilver), participation classes,
 //! nested transactions, deadlines, termination notification and recovery.
 //!
-//! The protocol itself is the pure state machine in [`core`]; [`TxManager`]
-//! drives one core per transaction with the node's log and transport.
+//! The protocol is pure code: [`core`] is the state machine of one
+//! transaction at one node, and [`node`] the node-level core that owns all
+//! of a node's transactions and makes every other decision (see
+//! `docs/tx.md`). [`TxManager`] is the driver that runs the node core with
+//! the node's log, transport and resources; a simulator is another.
 
 pub mod core;
 pub mod manager;
 pub mod msg;
-pub mod recovery;
+pub mod node;
 pub mod resource;
 
 pub use manager::{
@@ -16,4 +19,5 @@ pub use manager::{
     TxStatus,
 };
 pub use msg::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
+pub use node::{Bookkeeping, NodeConfig, TmCore};
 pub use resource::{ParticipationClass, Resource};

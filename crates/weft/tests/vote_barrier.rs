@@ -82,6 +82,14 @@ async fn with_participant(r: Arc<Gated>, seed: u64) -> Cluster {
     c
 }
 
+/// The phase of `tid` at node `i` ("gone" once it left the table).
+fn phase(c: &Cluster, i: u32, tid: Tid) -> String {
+    c.node(i)
+        .tm()
+        .status(tid)
+        .map_or_else(|| "gone".to_string(), |s| s.phase)
+}
+
 fn touch() -> Address {
     "touch@2".parse().unwrap()
 }
@@ -91,20 +99,23 @@ async fn a_participants_held_vote_holds_the_commit_until_released() {
     let (r, open) = Gated::new(Vote::Yes { durable: true });
     let c = with_participant(r.clone(), 301).await;
     let tx = c.node(1).begin();
+    let tid = tx.tid();
     let (): () = tx.call(&touch(), ()).await.unwrap();
     let commit = tokio::spawn(async move { tx.commit().await });
-    wait_for("the vote is held", Duration::from_secs(5), || {
+    wait_for("the vote is held", Duration::from_secs(60), || {
         r.barriers.load(Ordering::SeqCst) == 1
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The participant is at its barrier: its vote has not left, so the
+    // coordinator is still collecting votes.
+    assert_eq!(phase(&c, 1, tid), "preparing");
     assert!(
         !commit.is_finished(),
         "the decision waits for the held vote"
     );
     open.send(Ok(())).unwrap();
     commit.await.unwrap().unwrap();
-    wait_for("applied", Duration::from_secs(5), || {
+    wait_for("applied", Duration::from_secs(60), || {
         r.committed.load(Ordering::SeqCst) == 1
     })
     .await;
@@ -125,7 +136,7 @@ async fn a_refused_barrier_aborts_a_prepared_participant_before_it_votes() {
         err.to_string().contains("a writer it used aborted"),
         "{err}"
     );
-    wait_for("undone at the participant", Duration::from_secs(5), || {
+    wait_for("undone at the participant", Duration::from_secs(60), || {
         r.aborted.load(Ordering::SeqCst) >= 1 && c.node(2).tm().status(tid).is_none()
     })
     .await;
@@ -151,13 +162,16 @@ async fn the_coordinators_own_barrier_gates_its_decision() {
     // Held, then allowed: the commit waits for it.
     let (r, open) = Gated::new(Vote::Yes { durable: true });
     let tx = c.node(1).begin();
+    let tid = tx.tid();
     c.node(1).tm().enlist(tx.tid(), r.clone()).unwrap();
     let commit = tokio::spawn(async move { tx.commit().await });
-    wait_for("the vote is held", Duration::from_secs(5), || {
+    wait_for("the vote is held", Duration::from_secs(60), || {
         r.barriers.load(Ordering::SeqCst) == 1
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The local vote waits at the barrier: nothing was logged.
+    assert_eq!(phase(&c, 1, tid), "preparing");
+    assert_eq!(c.node(1).tm().stats().forced_records, 0);
     assert!(!commit.is_finished(), "no commit record before the barrier");
     open.send(Ok(())).unwrap();
     commit.await.unwrap().unwrap();
@@ -223,10 +237,11 @@ async fn t2_after_t1(
     let t1 = c.node(1).begin();
     c.node(1).tm().enlist(t1.tid(), gate.clone()).unwrap();
     let t2 = c.node(1).begin();
+    let t2_tid = t2.tid();
     *dependent.on.lock() = vec![t1.tid()];
     let (): () = t2.call(&"dependent@2".parse().unwrap(), ()).await.unwrap();
     let t1 = tokio::spawn(async move { t1.commit().await });
-    wait_for("T1 is held", Duration::from_secs(5), || {
+    wait_for("T1 is held", Duration::from_secs(60), || {
         gate.barriers.load(Ordering::SeqCst) == 1
     })
     .await;
@@ -239,13 +254,22 @@ async fn t2_after_t1(
         c.plan.set_link(weft::NodeId(2), weft::NodeId(1), lossy);
     }
     let t2 = tokio::spawn(async move { t2.commit().await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
     if lose_first_vote {
+        // Node 2 voted (the vote is lost on the way).
+        wait_for("node 2 voted", Duration::from_secs(60), || {
+            phase(c, 2, t2_tid) == "prepared"
+        })
+        .await;
         c.plan
             .set_link(weft::NodeId(2), weft::NodeId(1), weft::LinkFaults::none());
         // The coordinator's retried Prepare draws the vote again.
-        tokio::time::sleep(Duration::from_millis(600)).await;
     }
+    // The vote, naming T1, waits at the coordinator for T1's commit record.
+    wait_for("T2's vote waits for T1", Duration::from_secs(60), || {
+        c.node(1).tm().bookkeeping().side_tables == 1
+    })
+    .await;
+    assert_eq!(phase(c, 1, t2_tid), "preparing");
     assert!(!t2.is_finished(), "T2 is decided only after T1");
     (open, t1, t2)
 }
@@ -256,7 +280,7 @@ async fn a_vote_naming_a_transaction_of_the_same_coordinator_commits_right_after
     let (open, t1, t2) = t2_after_t1(&c, false).await;
     open.send(Ok(())).unwrap();
     t1.await.unwrap().unwrap();
-    tokio::time::timeout(Duration::from_secs(5), t2)
+    tokio::time::timeout(Duration::from_secs(60), t2)
         .await
         .expect("T2 commits without its participant's barrier")
         .unwrap()
@@ -269,7 +293,7 @@ async fn a_vote_naming_a_transaction_that_aborts_aborts_too() {
     let (open, t1, t2) = t2_after_t1(&c, false).await;
     open.send(Err("T1 gave up".into())).unwrap();
     assert_eq!(t1.await.unwrap().unwrap_err().status, Status::Aborted);
-    let err = tokio::time::timeout(Duration::from_secs(5), t2)
+    let err = tokio::time::timeout(Duration::from_secs(60), t2)
         .await
         .expect("T2 ends")
         .unwrap()
@@ -284,7 +308,7 @@ async fn a_repeated_vote_still_names_what_it_waits_for() {
     let (open, t1, t2) = t2_after_t1(&c, true).await;
     open.send(Ok(())).unwrap();
     t1.await.unwrap().unwrap();
-    tokio::time::timeout(Duration::from_secs(5), t2)
+    tokio::time::timeout(Duration::from_secs(60), t2)
         .await
         .expect("T2 ends")
         .unwrap()
