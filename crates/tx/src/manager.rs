@@ -512,7 +512,26 @@ impl TxManager {
             .core
             .lock()
             .sub_end(tid, path, committed, None, &mut out)?;
-        self.inner.spawn_drive(out);
+        // The resources apply it before this returns (the caller's next
+        // statement may depend on it); anything that must wait runs later.
+        let mut later = Vec::new();
+        for action in out {
+            match action {
+                Action::ResourceSubEnded {
+                    tid,
+                    resource,
+                    path,
+                    committed,
+                } => resource.resource.sub_ended(tid, &path, committed),
+                Action::Send { to, msg } => {
+                    if let Some(event) = self.inner.send(to, msg) {
+                        later.extend(self.inner.step(event));
+                    }
+                }
+                other => later.push(other),
+            }
+        }
+        self.inner.spawn_drive(later);
         Ok(())
     }
 
