@@ -10,10 +10,12 @@
 //! TooLarge, NoBuffer or BadRequest before it holds anything.
 
 pub mod api;
+pub mod disk;
 pub mod lock;
 pub mod service;
 pub mod snapshot;
 pub mod store;
 
 pub use api::{int_value, parse_int, KvRecord, KvRequest, KvResponse, Op, Reply, KV_RECORD_TAG};
-pub use service::{Kv, KvConfig, KvLimits, KvStats, Locking, SERVICE};
+pub use disk::{DiskOptions, DiskStore};
+pub use service::{Kv, KvConfig, KvEngine, KvLimits, KvStats, Locking, SERVICE};
