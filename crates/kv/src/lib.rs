@@ -11,6 +11,8 @@
 
 pub mod api;
 pub mod disk;
+#[cfg(test)]
+mod disk_tests;
 pub mod lock;
 pub mod service;
 pub mod snapshot;

@@ -255,8 +255,18 @@ impl Kv {
     /// The committed value of `key`, outside any transaction (a dirty-free
     /// read of the last committed state; for audits and tests).
     ///
+    /// # Panics
+    /// When the disk engine cannot read (a test's helper; code that must
+    /// survive a damaged disk calls [`Kv::try_committed`]).
+    pub fn committed(&self, key: &[u8]) -> Option<Bytes> {
+        self.try_committed(key)
+            .unwrap_or_else(|f| panic!("kv: reading {key:?}: {f}"))
+    }
+
+    /// The committed value of `key`, outside any transaction.
+    ///
     /// Fails with Internal when the disk engine cannot read.
-    pub fn committed(&self, key: &[u8]) -> Result<Option<Bytes>, Failure> {
+    pub fn try_committed(&self, key: &[u8]) -> Result<Option<Bytes>, Failure> {
         self.inner
             .store
             .read()
@@ -279,14 +289,17 @@ impl Kv {
 
     /// Every committed pair whose key starts with `prefix`, in key order.
     ///
-    /// Fails with Internal when the disk engine cannot read.
-    pub fn committed_with_prefix(&self, prefix: &[u8]) -> Result<Vec<(Bytes, Bytes)>, Failure> {
+    /// # Panics
+    /// When the disk engine cannot read (a test's helper; see
+    /// [`Kv::visit_committed_with_prefix`]).
+    pub fn committed_with_prefix(&self, prefix: &[u8]) -> Vec<(Bytes, Bytes)> {
         let mut out = Vec::new();
         self.visit_committed_with_prefix(prefix, |k, v| {
             out.push((k.clone(), v.clone()));
             true
-        })?;
-        Ok(out)
+        })
+        .unwrap_or_else(|f| panic!("kv: reading keys with prefix {prefix:?}: {f}"));
+        out
     }
 
     /// Visits every committed pair whose key starts with `prefix`, in key

@@ -44,7 +44,7 @@ pub struct LoadReply {
 ///
 /// Fails with Internal when the stored placement is unreadable.
 pub fn stored_placement(kv: &Kv) -> Result<Option<Vec<NodeId>>, Failure> {
-    match kv.committed(PLACEMENT_KEY) {
+    match kv.try_committed(PLACEMENT_KEY)? {
         None => Ok(None),
         Some(b) => Replicas::decode_placement(&b).map(Some).ok_or_else(|| {
             Failure::new(
@@ -101,7 +101,7 @@ pub async fn load_store(
     // holds it without a placement was loaded in full by a version that
     // stored none. It gets its placement alone.
     let mut items: Vec<Item> = Vec::new();
-    if kv.committed(&marker.kv_key()).is_none() {
+    if kv.try_committed(&marker.kv_key())?.is_none() {
         for rel in Relation::BALANCES {
             for key in 1..=req.sizes.of(rel) {
                 items.push(Item { rel, key });
