@@ -35,6 +35,11 @@
 //! (the overlay passed its bound between checkpoints) is a flush committed
 //! with `Durability::None`, so a crash forgets it together with everything
 //! after the last checkpoint, and recovery replays weft's log from there.
+//! (A clean close of the engine makes its last commit durable, spill or not:
+//! the engine may then hold a state newer than its checkpoint's position.
+//! Replay is idempotent over it, since a prepare record holds final values
+//! and they are redone in log order; the service forces the log over a
+//! spill's commits before writing it, so no such state outlives its log.)
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -813,6 +813,7 @@ impl Plugin for Kv {
             .cloned()
             .ok_or_else(|| plugin_failure("not attached"))?;
         let _flush = self.inner.flush.lock();
+        let started = Instant::now();
         // The state and its log position are taken together under the store
         // lock: every record before `at` is reflected in it (for the disk
         // engine: in the engine's last flush plus the frozen overlay).
@@ -862,12 +863,25 @@ impl Plugin for Kv {
                     .end_flush(written.is_ok());
                 written?;
                 ended.map_err(plugin_failure)?;
-                tracing::debug!(keys = job.len(), lsn = at.get(), "kv: checkpoint flushed");
+                tracing::info!(
+                    keys = job.len(),
+                    lsn = at.get(),
+                    ms = started.elapsed().as_millis() as u64,
+                    "kv checkpoint written"
+                );
             }
         }
         // Keep the records of prepared branches: the transaction manager's
         // outcome records for them follow their prepare records.
         Ok(Some(Lsn(oldest.map_or(at.get(), |o| o.min(at.get())))))
+    }
+
+    /// Closes the disk engine as a killed process would leave it: the
+    /// overlay is dropped (its commits are in the log), so that the node
+    /// restarted in this process can open the engine file again.
+    fn crash(&self) {
+        let _flush = self.inner.flush.lock();
+        *self.inner.store.write() = Store::default();
     }
 }
 
@@ -888,10 +902,26 @@ fn spill_overlay(inner: &Inner) -> Result<(), Failure> {
     let Some(_flush) = inner.flush.try_lock() else {
         return Ok(());
     };
-    let Some(job) = inner.store.write().disk_mut().and_then(DiskStore::begin_flush) else {
-        return Ok(());
+    let (job, last) = {
+        let mut store = inner.store.write();
+        let last = inner.log.get().map(Log::last_lsn);
+        match store.disk_mut().and_then(DiskStore::begin_flush) {
+            Some(job) => (job, last),
+            None => return Ok(()),
+        }
     };
-    let written = job.write(None).map_err(plugin_failure);
+    // A spill is not durable, but a clean close of the engine makes its last
+    // commit durable: the commits it holds must not outlive their records
+    // (early lock release applies them once appended), so those are forced
+    // first, as for a checkpoint. Replaying the log from the last checkpoint
+    // over such a newer state redoes the same final values.
+    let forced = match (inner.log.get(), last) {
+        (Some(log), Some(last)) if last > log.durable_lsn() => {
+            log.force_blocking(last).map_err(plugin_failure)
+        }
+        _ => Ok(()),
+    };
+    let written = forced.and_then(|()| job.write(None).map_err(plugin_failure));
     let ended = inner
         .store
         .write()

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use weft_kv::lock::LockMode;
-use weft_kv::{Kv, KvConfig, Locking, Op, Reply};
+use weft_kv::{Kv, KvConfig, KvEngine, Locking, Op, Reply};
 use weft_log::{Log, LogRecord, Lsn};
 use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
 use weft_tx::{ParticipationClass, Resource, TxManager, Vote};
@@ -87,6 +87,8 @@ pub struct SiteConfig {
     pub action_timeout: Duration,
     /// How long a transaction may run before it aborts.
     pub tx_timeout: Duration,
+    /// Where the copy's committed data lives.
+    pub kv_engine: KvEngine,
 }
 
 impl Default for SiteConfig {
@@ -94,6 +96,7 @@ impl Default for SiteConfig {
         SiteConfig {
             action_timeout: Duration::from_secs(1),
             tx_timeout: Duration::from_secs(10),
+            kv_engine: KvEngine::default(),
         }
     }
 }
@@ -194,6 +197,7 @@ impl RaidSite {
         let kv = Kv::new(KvConfig {
             lock_wait: cfg.action_timeout,
             locking: Locking::External,
+            engine: cfg.kv_engine.clone(),
             ..KvConfig::default()
         });
         let kv_participant = kv.resource();
@@ -481,6 +485,10 @@ impl Plugin for RaidSite {
 
     fn checkpoint(&self, log: &Log) -> Result<Option<Lsn>, Failure> {
         self.inner.kv.checkpoint(log)
+    }
+
+    fn crash(&self) {
+        self.inner.kv.crash();
     }
 }
 

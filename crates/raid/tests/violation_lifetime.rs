@@ -47,6 +47,7 @@ async fn sites(n: u32) -> Sites {
         let site = RaidSite::new(SiteConfig {
             action_timeout: Duration::from_secs(30),
             tx_timeout: Duration::from_secs(60),
+            ..SiteConfig::default()
         });
         let mut b = Node::builder(id)
             .hub(hub.clone())
