@@ -11,7 +11,7 @@
 //! bound.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -196,6 +196,8 @@ struct Inner {
     flush: Mutex<()>,
     /// A spill is running or queued.
     spilling: AtomicBool,
+    /// The log position of the disk engine's last checkpoint (0: none yet).
+    checkpointed: AtomicU64,
 }
 
 /// A node's transactional key-value store. Cheap to clone; use it as a
@@ -225,6 +227,7 @@ impl Kv {
                 dir: OnceLock::new(),
                 flush: Mutex::new(()),
                 spilling: AtomicBool::new(false),
+                checkpointed: AtomicU64::new(0),
             }),
         }
     }
@@ -849,6 +852,18 @@ impl Plugin for Kv {
                 snapshot::write(log.durability(), &dir, at.get(), &image)
                     .map_err(plugin_failure)?;
             }
+            Checkpointed::Flush(job, _) if job.is_empty() && self.inner.checkpointed.load(Ordering::Acquire) == at.get() => {
+                // Nothing appended since the last checkpoint (a prepare, an
+                // outcome, a commit all append): the engine holds it already.
+                forced?;
+                self.inner
+                    .store
+                    .write()
+                    .disk_mut()
+                    .expect("on disk")
+                    .end_flush(true)
+                    .map_err(plugin_failure)?;
+            }
             Checkpointed::Flush(job, prepared) => {
                 let written = forced.and_then(|()| {
                     job.write(Some((at.get(), &prepared)))
@@ -863,6 +878,7 @@ impl Plugin for Kv {
                     .end_flush(written.is_ok());
                 written?;
                 ended.map_err(plugin_failure)?;
+                self.inner.checkpointed.store(at.get(), Ordering::Release);
                 tracing::info!(
                     keys = job.len(),
                     lsn = at.get(),

@@ -6,6 +6,7 @@
 
 pub mod commit;
 pub mod debitcredit;
+pub mod kvstore;
 pub mod log;
 pub mod plot;
 pub mod rpc;
@@ -33,6 +34,9 @@ pub enum BenchCmd {
     Debitcredit(debitcredit::DebitCreditArgs),
     /// Group send and reply collection against unicast calls.
     Group(crate::group_cmd::BenchGroupArgs),
+    /// The KV disk engine at a small and a large size: checkpoint, reopen,
+    /// random reads.
+    Kvstore(kvstore::KvStoreArgs),
 }
 
 /// Runs a benchmark.
@@ -43,6 +47,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Commit(a) => commit::run(a).await,
         BenchCmd::Debitcredit(a) => debitcredit::run(a).await,
         BenchCmd::Group(a) => crate::group_cmd::run_bench(a).await,
+        BenchCmd::Kvstore(a) => kvstore::run(a).await,
     }
 }
 
