@@ -187,10 +187,7 @@ pub async fn load_cluster(client: &Client, mode: Mode, scale: u32) -> anyhow::Re
     let mut tuples = 0;
     for s in &list {
         let started = Instant::now();
-        println!(
-            "loading site {} ({} accounts)...",
-            s.id, req.sizes.accounts
-        );
+        println!("loading site {} ({} accounts)...", s.id, req.sizes.accounts);
         let r: LoadReply = client
             .call(&service(LOAD_SERVICE, s.id), req.clone(), None)
             .await

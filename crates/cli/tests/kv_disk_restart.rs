@@ -102,7 +102,10 @@ fn plain(line: &str) -> String {
 /// The number after `name=` in a log line.
 fn field(line: &str, name: &str) -> Option<u64> {
     let rest = line.split(&format!("{name}=")).nth(1)?;
-    rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 #[test]
@@ -129,20 +132,35 @@ fn a_site_killed_after_a_large_load_reopens_its_engine_and_passes_its_audit() {
     );
     assert_eq!(code, 0, "load failed: {out}{err}");
     assert!(out.contains(&format!("loaded {tuples} tuples")), "{out}");
-    println!("loaded {tuples} tuples in {:.1} s", t.elapsed().as_secs_f64());
+    println!(
+        "loaded {tuples} tuples in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
     // A checkpoint begun after the load ended (the second one logged from
     // now on): the engine holds the whole copy durably.
     while site.lines.try_recv().is_ok() {}
     for _ in 0..2 {
-        site.wait("a checkpoint after the load", Duration::from_secs(600), |l| {
-            l.contains("kv checkpoint written") && field(l, "lsn").is_some()
-        });
+        site.wait(
+            "a checkpoint after the load",
+            Duration::from_secs(600),
+            |l| l.contains("kv checkpoint written") && field(l, "lsn").is_some(),
+        );
     }
     // Work in the log tail past that checkpoint.
     let (code, out, err) = run(
         &[
-            "raid", "run", "--node", &listen, "--secret", SECRET, "--scale", &scale_s,
-            "--clients", "4", "--duration", "1s",
+            "raid",
+            "run",
+            "--node",
+            &listen,
+            "--secret",
+            SECRET,
+            "--scale",
+            &scale_s,
+            "--clients",
+            "4",
+            "--duration",
+            "1s",
         ],
         &[],
     );
@@ -151,9 +169,11 @@ fn a_site_killed_after_a_large_load_reopens_its_engine_and_passes_its_audit() {
 
     let t = Instant::now();
     let site = Site::spawn(&listen, &data);
-    let ready = site.wait("its ready line after the kill", Duration::from_secs(600), |l| {
-        l.contains(" listening on ")
-    });
+    let ready = site.wait(
+        "its ready line after the kill",
+        Duration::from_secs(600),
+        |l| l.contains(" listening on "),
+    );
     println!(
         "restart with {tuples} keys: serving after {:.2} s ({ready})",
         t.elapsed().as_secs_f64()

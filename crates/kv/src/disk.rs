@@ -247,7 +247,8 @@ impl DiskStore {
                 let f = if fresh {
                     dur.create_dir_all(dir)
                         .map_err(io_err("creating the directory"))?;
-                    dur.create_file(&file).map_err(io_err("creating the file"))?
+                    dur.create_file(&file)
+                        .map_err(io_err("creating the file"))?
                 } else {
                     OpenOptions::new()
                         .read(true)
@@ -257,8 +258,7 @@ impl DiskStore {
                 };
                 let db = builder.create_file(f).map_err(|e| engine(e.into()))?;
                 if fresh {
-                    dur.sync_dir(dir)
-                        .map_err(io_err("syncing the directory"))?;
+                    dur.sync_dir(dir).map_err(io_err("syncing the directory"))?;
                 }
                 db
             }
@@ -276,20 +276,18 @@ impl DiskStore {
             };
             let lsn = match meta.get(META_LSN).map_err(|e| engine(e.into()))? {
                 None => None,
-                Some(v) => Some(u64::from_le_bytes(
-                    v.value()
-                        .try_into()
-                        .map_err(|_| corrupt("checkpoint position is not 8 bytes".into()))?,
-                )),
+                Some(v) => {
+                    Some(u64::from_le_bytes(v.value().try_into().map_err(|_| {
+                        corrupt("checkpoint position is not 8 bytes".into())
+                    })?))
+                }
             };
-            let prepared: Vec<PreparedSet> = match meta
-                .get(META_PREPARED)
-                .map_err(|e| engine(e.into()))?
-            {
-                None => Vec::new(),
-                Some(v) => postcard::from_bytes(v.value())
-                    .map_err(|e| corrupt(format!("prepared write sets undecodable: {e}")))?,
-            };
+            let prepared: Vec<PreparedSet> =
+                match meta.get(META_PREPARED).map_err(|e| engine(e.into()))? {
+                    None => Vec::new(),
+                    Some(v) => postcard::from_bytes(v.value())
+                        .map_err(|e| corrupt(format!("prepared write sets undecodable: {e}")))?,
+                };
             (lsn, prepared)
         };
         tx.commit().map_err(|e| engine(e.into()))?;

@@ -94,7 +94,10 @@ impl StorageBackend for SimBackend {
         let d = self.0.lock();
         let end = offset as usize + len;
         if end > d.volatile.len() {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past end"));
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "read past end",
+            ));
         }
         Ok(d.volatile[offset as usize..end].to_vec())
     }
@@ -162,8 +165,12 @@ fn contents(store: &DiskStore) -> BTreeMap<Bytes, Bytes> {
 }
 
 fn open(disk: &Arc<Mutex<SimDisk>>) -> crate::disk::Opened {
-    DiskStore::open(Path::new("/sim/kv"), &Durability::new(), options(disk, 1 << 20, 1 << 20))
-        .unwrap()
+    DiskStore::open(
+        Path::new("/sim/kv"),
+        &Durability::new(),
+        options(disk, 1 << 20, 1 << 20),
+    )
+    .unwrap()
 }
 
 fn checkpoint(store: &mut DiskStore, lsn: u64, prepared: &[PreparedSet]) -> Result<(), String> {
@@ -183,7 +190,12 @@ fn scenario(die_at: Option<u64>) -> (Arc<Mutex<SimDisk>>, u64, bool) {
     for i in 0..300u32 {
         store.apply(b(format!("k{i:04}")), Some(b(format!("old{i}"))));
     }
-    checkpoint(&mut store, 100, &[(tid(1), 90, vec![(b("p"), Some(b("1")))])]).unwrap();
+    checkpoint(
+        &mut store,
+        100,
+        &[(tid(1), 90, vec![(b("p"), Some(b("1")))])],
+    )
+    .unwrap();
     // Changes after it: updates, deletes, inserts, and a spill between.
     for i in (0..300u32).step_by(3) {
         store.apply(b(format!("k{i:04}")), Some(b(format!("new{i}"))));
@@ -235,7 +247,10 @@ fn model(after: bool) -> BTreeMap<Bytes, Bytes> {
 fn a_crash_at_every_point_of_a_checkpoint_leaves_one_whole_checkpoint() {
     let (disk, total, ok) = scenario(None);
     assert!(ok && total > 2, "the checkpoint makes {total} operations");
-    eprintln!("checkpoint: {total} operations, file {} bytes", disk.lock().volatile.len());
+    eprintln!(
+        "checkpoint: {total} operations, file {} bytes",
+        disk.lock().volatile.len()
+    );
     let (old, new) = (model(false), model(true));
     let (mut saw_old, mut saw_new) = (false, false);
     for die_at in 0..=total {
@@ -254,12 +269,18 @@ fn a_crash_at_every_point_of_a_checkpoint_leaves_one_whole_checkpoint() {
             match opened.lsn {
                 Some(100) => {
                     assert!(!ok, "{ctx}: a checkpoint that returned Ok was lost");
-                    assert_eq!(got, old, "{ctx}: old position, data not the old checkpoint's");
+                    assert_eq!(
+                        got, old,
+                        "{ctx}: old position, data not the old checkpoint's"
+                    );
                     assert_eq!(opened.prepared[0].0, tid(1), "{ctx}");
                     saw_old = true;
                 }
                 Some(200) => {
-                    assert_eq!(got, new, "{ctx}: new position, data not the new checkpoint's");
+                    assert_eq!(
+                        got, new,
+                        "{ctx}: new position, data not the new checkpoint's"
+                    );
                     assert_eq!(opened.prepared[0].0, tid(2), "{ctx}");
                     saw_new = true;
                 }
@@ -284,17 +305,18 @@ fn a_crash_after_a_spill_reverts_to_the_last_checkpoint() {
     let job = store.begin_flush().unwrap();
     job.write(None).unwrap();
     store.end_flush(true).unwrap();
-    assert_eq!(store.get(&b("a")).unwrap(), Some(b("2")), "the spill is read back");
+    assert_eq!(
+        store.get(&b("a")).unwrap(),
+        Some(b("2")),
+        "the spill is read back"
+    );
     let ops = disk.lock().ops;
     disk.lock().die_at = Some(ops);
     drop(store);
     disk.lock().crash(|| false);
     let opened = open(&disk);
     assert_eq!(opened.lsn, Some(10));
-    assert_eq!(
-        contents(&opened.store),
-        BTreeMap::from([(b("a"), b("1"))])
-    );
+    assert_eq!(contents(&opened.store), BTreeMap::from([(b("a"), b("1"))]));
 }
 
 #[derive(Clone, Debug)]

@@ -24,8 +24,8 @@ use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
 use weft_wire::{Failure, Status, SubPath, Tid, Xid};
 
 use crate::api::{int_value, parse_int, KvRecord, KvRequest, KvResponse, Op, Reply, KV_RECORD_TAG};
-use crate::lock::{LockError, LockLimits, LockManager, LockMode, LockOwner};
 use crate::disk::{DiskOptions, DiskStore, FlushJob, PreparedSet};
+use crate::lock::{LockError, LockLimits, LockManager, LockMode, LockOwner};
 use crate::snapshot;
 use crate::store::{Store, WriteLimits};
 
@@ -728,13 +728,25 @@ impl Plugin for Kv {
                 // engine's checkpoint (the store ran in memory since): its
                 // image replaces the engine's content.
                 if let Some((snap_at, image)) = snap.filter(|(s, _)| at.is_none_or(|a| *s > a)) {
-                    tracing::info!(keys = image.committed.len(), lsn = snap_at, "kv: importing the memory engine's snapshot into the disk engine");
-                    crate::disk::import(&mut disk, image.committed.into_iter(), snap_at, &image.prepared)
-                        .map_err(plugin_failure)?;
+                    tracing::info!(
+                        keys = image.committed.len(),
+                        lsn = snap_at,
+                        "kv: importing the memory engine's snapshot into the disk engine"
+                    );
+                    crate::disk::import(
+                        &mut disk,
+                        image.committed.into_iter(),
+                        snap_at,
+                        &image.prepared,
+                    )
+                    .map_err(plugin_failure)?;
                     at = Some(snap_at);
                     prepared = image.prepared;
                 }
                 let file = disk.file().to_path_buf();
+                self.inner
+                    .checkpointed
+                    .store(at.unwrap_or(0), Ordering::Release);
                 (at, Store::on_disk(disk, prepared), file)
             }
         };
@@ -852,7 +864,10 @@ impl Plugin for Kv {
                 snapshot::write(log.durability(), &dir, at.get(), &image)
                     .map_err(plugin_failure)?;
             }
-            Checkpointed::Flush(job, _) if job.is_empty() && self.inner.checkpointed.load(Ordering::Acquire) == at.get() => {
+            Checkpointed::Flush(job, _)
+                if job.is_empty()
+                    && self.inner.checkpointed.load(Ordering::Acquire) == at.get() =>
+            {
                 // Nothing appended since the last checkpoint (a prepare, an
                 // outcome, a commit all append): the engine holds it already.
                 forced?;

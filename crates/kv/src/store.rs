@@ -618,7 +618,11 @@ mod tests {
         assert_eq!(s.read(&t2, &b("k")).unwrap(), None, "no dirty read");
         let w = prep(&mut s, 1, &[]).unwrap();
         assert_eq!(w, vec![(b("k"), Some(b("v1")))]);
-        assert_eq!(s.committed(&b("k")).unwrap(), None, "prepared is not committed");
+        assert_eq!(
+            s.committed(&b("k")).unwrap(),
+            None,
+            "prepared is not committed"
+        );
         assert_eq!(s.commit(tid(1)), vec![b("k")]);
         assert_eq!(s.read(&t2, &b("k")).unwrap(), Some(b("v1")));
         assert_eq!(s.committed(&b("k")).unwrap(), Some(b("v1")));
@@ -630,7 +634,11 @@ mod tests {
         let (t1, t2, t3) = (Xid::top(tid(1)), Xid::top(tid(2)), Xid::top(tid(3)));
         s.write(&t1, b("k"), Some(b("v1")));
         prep(&mut s, 1, &[]);
-        assert_eq!(s.read(&t2, &b("k")).unwrap(), Some(b("v1")), "violation mode");
+        assert_eq!(
+            s.read(&t2, &b("k")).unwrap(),
+            Some(b("v1")),
+            "violation mode"
+        );
         s.write(&t2, b("k"), None);
         prep(&mut s, 2, &[]);
         assert_eq!(s.read(&t3, &b("k")).unwrap(), None, "the later delete wins");
@@ -697,7 +705,11 @@ mod tests {
             "parent does not see open child"
         );
         s.sub_ended(tid(1), &sub1.path, false);
-        assert_eq!(s.read(&top, &b("b")).unwrap(), None, "aborted sub leaves no trace");
+        assert_eq!(
+            s.read(&top, &b("b")).unwrap(),
+            None,
+            "aborted sub leaves no trace"
+        );
         s.write(&sub2, b("c"), Some(b("sub2")));
         s.sub_ended(tid(1), &sub2.path, true);
         assert_eq!(

@@ -196,7 +196,11 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
 }
 
 /// Prints each further engine's figures and its ratio against the first.
-fn report_engines(args: &DebitCreditArgs, main: &[(u32, Rounds)], others: &[(String, Vec<(u32, Rounds)>)]) {
+fn report_engines(
+    args: &DebitCreditArgs,
+    main: &[(u32, Rounds)],
+    others: &[(String, Vec<(u32, Rounds)>)],
+) {
     if others.is_empty() {
         return;
     }
@@ -226,7 +230,12 @@ async fn measure_rounds(
     let mut runs: EngineRuns = args
         .kv_engine
         .iter()
-        .map(|e| (e.clone(), args.sites.iter().map(|&s| (s, Rounds::default())).collect()))
+        .map(|e| {
+            (
+                e.clone(),
+                args.sites.iter().map(|&s| (s, Rounds::default())).collect(),
+            )
+        })
         .collect();
     let mut pg = server.map(|_| Rounds::default());
     for round in 0..args.rounds {
@@ -383,7 +392,10 @@ fn report(
             report.insert(format!("audit_sites_{s}_{engine}"), json!(r.audit_ok));
             if let Some((_, m)) = runs.iter().find(|(m, _)| m == s) {
                 let ratio = m.tps() / r.tps().max(1e-9);
-                report.insert(format!("{first}_vs_{engine}_tps_sites_{s}"), json!(r2(ratio)));
+                report.insert(
+                    format!("{first}_vs_{engine}_tps_sites_{s}"),
+                    json!(r2(ratio)),
+                );
                 if first == "disk" && engine == "memory" {
                     met.insert(
                         format!("disk_vs_memory_sites_{s}"),
@@ -422,7 +434,9 @@ fn report(
     }
     anyhow::ensure!(
         runs.iter().all(|(_, r)| r.audit_ok)
-            && others.iter().all(|(_, o)| o.iter().all(|(_, r)| r.audit_ok)),
+            && others
+                .iter()
+                .all(|(_, o)| o.iter().all(|(_, r)| r.audit_ok)),
         "an audit failed"
     );
     Ok(())

@@ -174,7 +174,11 @@ fn run_blocking(args: KvStoreArgs) -> anyhow::Result<()> {
             "{:>12} {:>9.1} {:>14.1} {:>9.1} {:>9.2} {:>9.0}",
             keys, f.load_s, f.checkpoint_ms, f.open_ms, f.get_us, f.file_mib
         );
-        let tag = if *keys == args.small { "small" } else { "large" };
+        let tag = if *keys == args.small {
+            "small"
+        } else {
+            "large"
+        };
         report.insert(format!("keys_{tag}"), json!(keys));
         report.insert(format!("checkpoint_ms_{tag}"), json!(r2(f.checkpoint_ms)));
         report.insert(format!("open_ms_{tag}"), json!(r2(f.open_ms)));
@@ -184,7 +188,12 @@ fn run_blocking(args: KvStoreArgs) -> anyhow::Result<()> {
     }
     let ratio = figs[1].1.checkpoint_ms / figs[0].1.checkpoint_ms.max(1e-9);
     println!("targets:");
-    let met = check("checkpoint_ms_large / checkpoint_ms_small", ratio, "<=", 2.0);
+    let met = check(
+        "checkpoint_ms_large / checkpoint_ms_small",
+        ratio,
+        "<=",
+        2.0,
+    );
     report.insert("checkpoint_ratio".into(), json!(r2(ratio)));
     report.insert(
         "open_ratio".into(),
