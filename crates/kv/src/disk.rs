@@ -359,7 +359,7 @@ impl DiskStore {
     /// last flush).
     ///
     /// Fails with [`DiskError::Engine`] when the engine cannot read.
-    pub fn len(&self) -> Result<u64, DiskError> {
+    pub fn key_count(&self) -> Result<u64, DiskError> {
         let mut n = self.base.len().map_err(|e| self.engine_err()(e.into()))? as i64;
         let mut seen = |k: &Bytes, v: &Option<Bytes>| -> Result<(), DiskError> {
             let in_base = self

@@ -237,7 +237,7 @@ impl Kv {
         let store = self.inner.store.read();
         let locks = self.inner.locks.stats();
         KvStats {
-            keys: store.len().unwrap_or_else(|e| {
+            keys: store.key_count().unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "kv: cannot count keys");
                 0
             }) as usize,

@@ -100,7 +100,7 @@ pub enum Committed {
     /// Every committed pair in memory (snapshotted whole at checkpoints).
     Memory(BTreeMap<Bytes, Bytes>),
     /// The on-disk engine.
-    Disk(DiskStore),
+    Disk(Box<DiskStore>),
 }
 
 impl Default for Committed {
@@ -158,10 +158,10 @@ impl Committed {
     /// Number of committed keys.
     ///
     /// Fails with [`DiskError`] when the engine cannot read.
-    pub fn len(&self) -> Result<u64, DiskError> {
+    pub fn key_count(&self) -> Result<u64, DiskError> {
         match self {
             Committed::Memory(m) => Ok(m.len() as u64),
-            Committed::Disk(d) => d.len(),
+            Committed::Disk(d) => d.key_count(),
         }
     }
 }
@@ -199,7 +199,7 @@ impl Store {
     /// last checkpoint.
     pub fn on_disk(disk: DiskStore, prepared: Vec<PreparedSet>) -> Self {
         let mut store = Store {
-            committed: Committed::Disk(disk),
+            committed: Committed::Disk(Box::new(disk)),
             ..Store::default()
         };
         for (tid, lsn, writes) in prepared {
@@ -549,8 +549,8 @@ impl Store {
     /// Number of committed keys.
     ///
     /// Fails with [`DiskError`] when the engine cannot read.
-    pub fn len(&self) -> Result<u64, DiskError> {
-        self.committed.len()
+    pub fn key_count(&self) -> Result<u64, DiskError> {
+        self.committed.key_count()
     }
 
     /// The prepared write sets, by transaction.
