@@ -34,6 +34,9 @@ pub struct DebitCreditArgs {
     /// main keys, and each other one's ratio against it is printed too.
     #[arg(long, value_delimiter = ',', default_value = "disk", value_parser = ["disk", "memory"])]
     pub kv_engine: Vec<String>,
+    /// Page cache of each site's disk engine, in MiB.
+    #[arg(long, default_value_t = 64)]
+    pub kv_cache_mib: usize,
     /// How long each run lasts.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub duration: Duration,
@@ -117,7 +120,7 @@ async fn run_sites(args: &DebitCreditArgs, sites: u32, engine: &str) -> anyhow::
         "{sites} site(s), {engine} engine: starting and loading"
     ));
     let mut opts = ClusterOptions::default();
-    opts.site.kv_engine = crate::node_cmd::kv_engine(engine, 64);
+    opts.site.kv_engine = crate::node_cmd::kv_engine(engine, args.kv_cache_mib);
     let cluster = RaidCluster::start(sites, &base, opts).await?;
     let sizes = Workload::sizes(args.mode, args.scale);
     cluster.load(sizes).await?;
