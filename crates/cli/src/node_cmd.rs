@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use weft::kv::{Kv, KvConfig};
+use weft::kv::{DiskOptions, Kv, KvConfig, KvEngine};
 use weft::{ChannelSet, Node, NodeBuilder, NodeError, Seed, Status, TmConfig};
 use weft_tx::CrashPoint;
 
@@ -65,6 +65,17 @@ pub struct NodeArgs {
     /// Longest wait for a KV lock before LockConflict.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub lock_wait: Duration,
+    /// Where the KV store (and a Raid site's copy) keeps committed data:
+    /// `disk` (an on-disk B-tree under a bounded cache, incremental
+    /// checkpoints) or `memory` (every key in memory, whole snapshots).
+    #[arg(long, default_value = "disk", value_parser = parse_kv_engine)]
+    pub kv_engine: String,
+    /// Page cache of the disk engine, in MiB.
+    #[arg(long, default_value_t = 64)]
+    pub kv_cache_mib: usize,
+    /// How often to checkpoint (write what changed and truncate the log).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub checkpoint_every: Duration,
     /// Test hook: stop transactions at this commit-protocol point and print
     /// `CRASHPOINT <point> <tid>` (a test then kills the node).
     #[arg(long, hide = true)]
@@ -153,6 +164,7 @@ impl NodeArgs {
             .listen(listen)
             .secret(self.secret.as_bytes())
             .failure_detector(self.heartbeat, self.dead_after)
+            .checkpoint_every(Some(self.checkpoint_every))
             .channels(ChannelSet {
                 inproc: true,
                 shm: self.shm && !self.no_shm,
@@ -176,6 +188,30 @@ impl NodeArgs {
     }
 }
 
+/// Checks a `--kv-engine` name.
+fn parse_kv_engine(s: &str) -> Result<String, String> {
+    KvEngine::parse(s).map(|e| e.name().to_string())
+}
+
+impl NodeArgs {
+    /// The KV engine the flags ask for.
+    pub fn kv_engine(&self) -> KvEngine {
+        kv_engine(&self.kv_engine, self.kv_cache_mib)
+    }
+}
+
+/// The engine named `memory` or `disk` (anything else: disk), the disk one
+/// with a page cache of `cache_mib` MiB.
+pub fn kv_engine(name: &str, cache_mib: usize) -> KvEngine {
+    match KvEngine::parse(name) {
+        Ok(KvEngine::Memory) => KvEngine::Memory,
+        _ => KvEngine::Disk(DiskOptions {
+            cache_bytes: cache_mib.max(1) << 20,
+            ..DiskOptions::default()
+        }),
+    }
+}
+
 /// Parses `on`/`off` (also `true`/`false`, `1`/`0`, `yes`/`no`).
 fn parse_on_off(s: &str) -> Result<bool, String> {
     match s.to_ascii_lowercase().as_str() {
@@ -189,6 +225,7 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let kv = Kv::new(KvConfig {
         lock_wait: args.lock_wait,
+        engine: args.kv_engine(),
         ..KvConfig::default()
     });
     let b = args

@@ -90,26 +90,34 @@ impl weft::Plugin for HistoryService {
             ServiceOptions::no_state(),
             move |_ctx, page: HistoryPage| {
                 let site = site.clone();
-                async move { Ok(history_page(&site, &page)) }
+                async move { history_page(&site, &page) }
             },
         )
     }
 }
 
-fn history_page(site: &RaidSite, page: &HistoryPage) -> Vec<(u64, HistoryRow)> {
+fn history_page(site: &RaidSite, page: &HistoryPage) -> Result<Vec<(u64, HistoryRow)>, Failure> {
     let limit = page.limit.clamp(1, PAGE_MAX) as usize;
-    // Keys are the prefix byte, then the key big-endian: key order.
+    // Keys are the prefix byte, then the key big-endian: key order. The
+    // store streams them and stops at the page's end.
+    let mut out = Vec::new();
     site.store()
-        .committed_with_prefix(&[Relation::History.prefix()])
-        .into_iter()
-        .filter_map(|(k, v)| {
-            let key = u64::from_be_bytes(k.get(1..9)?.try_into().ok()?);
-            Some((key, v))
-        })
-        .filter(|(key, _)| page.after.is_none_or(|a| *key > a))
-        .take(limit)
-        .filter_map(|(key, v)| Some((key, HistoryRow::decode(&v)?)))
-        .collect()
+        .visit_committed_with_prefix(&[Relation::History.prefix()], |k, v| {
+            let Some(key) = k
+                .get(1..9)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_be_bytes)
+            else {
+                return true;
+            };
+            if page.after.is_none_or(|a| key > a) {
+                if let Some(row) = HistoryRow::decode(v) {
+                    out.push((key, row));
+                }
+            }
+            out.len() < limit
+        })?;
+    Ok(out)
 }
 
 /// Prints every committed history row of the site `client` is connected to,

@@ -186,10 +186,18 @@ pub async fn load_cluster(client: &Client, mode: Mode, scale: u32) -> anyhow::Re
     };
     let mut tuples = 0;
     for s in &list {
+        let started = Instant::now();
+        println!("loading site {} ({} accounts)...", s.id, req.sizes.accounts);
         let r: LoadReply = client
             .call(&service(LOAD_SERVICE, s.id), req.clone(), None)
             .await
             .with_context(|| format!("loading site {}", s.id))?;
+        println!(
+            "site {}: {} tuples in {:.1} s",
+            s.id,
+            r.tuples,
+            started.elapsed().as_secs_f64()
+        );
         tuples += r.tuples;
     }
     Ok(tuples)
@@ -453,6 +461,7 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
         } => {
             let site = RaidSite::new(SiteConfig {
                 action_timeout,
+                kv_engine: node.kv_engine(),
                 ..SiteConfig::default()
             });
             let b = node
@@ -470,7 +479,13 @@ pub async fn run(cmd: RaidCmd) -> anyhow::Result<()> {
             mode,
             scale,
         } => {
-            let c = Client::connect(&client).await?;
+            // A site loads its copy in one call: ten million accounts
+            // (scale 100) take minutes, past any answer timeout.
+            let opts = ClientOpts {
+                timeout: client.timeout.max(Duration::from_secs(4 * 3600)),
+                ..client
+            };
+            let c = Client::connect(&opts).await?;
             let started = Instant::now();
             let tuples = load_cluster(&c, mode, scale).await?;
             c.close().await;

@@ -11,18 +11,20 @@
 //! bound.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use weft_log::{Log, LogRecord, Lsn};
 use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
 use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
 use weft_wire::{Failure, Status, SubPath, Tid, Xid};
 
 use crate::api::{int_value, parse_int, KvRecord, KvRequest, KvResponse, Op, Reply, KV_RECORD_TAG};
+use crate::disk::{DiskOptions, DiskStore, FlushJob, PreparedSet};
 use crate::lock::{LockError, LockLimits, LockManager, LockMode, LockOwner};
 use crate::snapshot;
 use crate::store::{Store, WriteLimits};
@@ -108,6 +110,47 @@ pub struct KvConfig {
     pub locking: Locking,
     /// Bounds on keys, values, write sets, the lock table and scans.
     pub limits: KvLimits,
+    /// Where committed data lives.
+    pub engine: KvEngine,
+}
+
+/// Where the committed data lives.
+#[derive(Clone, Debug)]
+pub enum KvEngine {
+    /// Every key in memory; a checkpoint writes the whole map to one
+    /// snapshot file, a restart reads it all back.
+    Memory,
+    /// On disk in the engine of [`crate::disk`] under a bounded cache and
+    /// overlay; a checkpoint writes what changed since the last one, a
+    /// restart opens the file and replays the log tail.
+    Disk(DiskOptions),
+}
+
+impl Default for KvEngine {
+    fn default() -> Self {
+        KvEngine::Disk(DiskOptions::default())
+    }
+}
+
+impl KvEngine {
+    /// The engine named `memory` or `disk` (default options).
+    ///
+    /// Fails with the accepted names for any other name.
+    pub fn parse(name: &str) -> Result<KvEngine, String> {
+        match name {
+            "memory" => Ok(KvEngine::Memory),
+            "disk" => Ok(KvEngine::default()),
+            other => Err(format!("unknown kv engine {other:?} (memory or disk)")),
+        }
+    }
+
+    /// `memory` or `disk`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            KvEngine::Memory => "memory",
+            KvEngine::Disk(_) => "disk",
+        }
+    }
 }
 
 impl Default for KvConfig {
@@ -117,6 +160,7 @@ impl Default for KvConfig {
             dir: None,
             locking: Locking::Strict2PL,
             limits: KvLimits::default(),
+            engine: KvEngine::default(),
         }
     }
 }
@@ -126,6 +170,9 @@ impl Default for KvConfig {
 pub struct KvStats {
     /// Committed keys.
     pub keys: usize,
+    /// Committed changes held in memory until the next flush to the disk
+    /// engine (0 in memory).
+    pub overlay_keys: usize,
     /// Prepared write sets awaiting their outcome.
     pub prepared: usize,
     /// Lock requests that had to wait.
@@ -145,6 +192,12 @@ struct Inner {
     tm: OnceLock<TxManager>,
     log: OnceLock<Log>,
     dir: OnceLock<PathBuf>,
+    /// Serializes flushes to the disk engine (checkpoints and spills).
+    flush: Mutex<()>,
+    /// A spill is running or queued.
+    spilling: AtomicBool,
+    /// The log position of the disk engine's last checkpoint (0: none yet).
+    checkpointed: AtomicU64,
 }
 
 /// A node's transactional key-value store. Cheap to clone; use it as a
@@ -172,6 +225,9 @@ impl Kv {
                 tm: OnceLock::new(),
                 log: OnceLock::new(),
                 dir: OnceLock::new(),
+                flush: Mutex::new(()),
+                spilling: AtomicBool::new(false),
+                checkpointed: AtomicU64::new(0),
             }),
         }
     }
@@ -181,7 +237,11 @@ impl Kv {
         let store = self.inner.store.read();
         let locks = self.inner.locks.stats();
         KvStats {
-            keys: store.len(),
+            keys: store.key_count().unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "kv: cannot count keys");
+                0
+            }) as usize,
+            overlay_keys: store.disk().map_or(0, DiskStore::overlay_len),
             prepared: store.prepared_tids().len(),
             lock_waits: locks.waits,
             lock_conflicts: locks.conflicts + locks.timeouts,
@@ -197,12 +257,24 @@ impl Kv {
 
     /// The committed value of `key`, outside any transaction (a dirty-free
     /// read of the last committed state; for audits and tests).
+    ///
+    /// # Panics
+    /// When the disk engine cannot read (a test's helper; code that must
+    /// survive a damaged disk calls [`Kv::try_committed`]).
     pub fn committed(&self, key: &[u8]) -> Option<Bytes> {
+        self.try_committed(key)
+            .unwrap_or_else(|f| panic!("kv: reading {key:?}: {f}"))
+    }
+
+    /// The committed value of `key`, outside any transaction.
+    ///
+    /// Fails with Internal when the disk engine cannot read.
+    pub fn try_committed(&self, key: &[u8]) -> Result<Option<Bytes>, Failure> {
         self.inner
             .store
             .read()
             .committed(&Bytes::copy_from_slice(key))
-            .cloned()
+            .map_err(plugin_failure)
     }
 
     /// The keys of every prepared write set still waiting for its outcome
@@ -219,14 +291,40 @@ impl Kv {
     }
 
     /// Every committed pair whose key starts with `prefix`, in key order.
+    ///
+    /// # Panics
+    /// When the disk engine cannot read (a test's helper; see
+    /// [`Kv::visit_committed_with_prefix`]).
     pub fn committed_with_prefix(&self, prefix: &[u8]) -> Vec<(Bytes, Bytes)> {
+        let mut out = Vec::new();
+        self.visit_committed_with_prefix(prefix, |k, v| {
+            out.push((k.clone(), v.clone()));
+            true
+        })
+        .unwrap_or_else(|f| panic!("kv: reading keys with prefix {prefix:?}: {f}"));
+        out
+    }
+
+    /// Visits every committed pair whose key starts with `prefix`, in key
+    /// order, until `visit` returns false, without collecting them (an audit
+    /// of ten million keys). Holds the store's read lock meanwhile: commits
+    /// wait, so keep `visit` short.
+    ///
+    /// Fails with Internal when the disk engine cannot read.
+    pub fn visit_committed_with_prefix(
+        &self,
+        prefix: &[u8],
+        mut visit: impl FnMut(&Bytes, &Bytes) -> bool,
+    ) -> Result<(), Failure> {
+        let start = Bytes::copy_from_slice(prefix);
         self.inner
             .store
             .read()
-            .committed_iter()
-            .filter(|(k, _)| k.starts_with(prefix))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect()
+            .committed_data()
+            .visit_range(&start, &Bytes::new(), |k, v| {
+                k.starts_with(prefix) && visit(k, v)
+            })
+            .map_err(plugin_failure)
     }
 
     /// Runs operations within the (sub-)transaction `xid` at this node. The
@@ -360,7 +458,13 @@ impl Kv {
         match op {
             Op::Get(key) => {
                 self.lock(xid, &key, LockMode::Shared, deadline).await?;
-                Ok(Reply::Value(self.inner.store.read().read(xid, &key)))
+                Ok(Reply::Value(
+                    self.inner
+                        .store
+                        .read()
+                        .read(xid, &key)
+                        .map_err(plugin_failure)?,
+                ))
             }
             Op::Put(key, value) => {
                 self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
@@ -374,7 +478,13 @@ impl Kv {
             }
             Op::Add(key, delta) => {
                 self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
-                let current = match self.inner.store.read().read(xid, &key) {
+                let current = match self
+                    .inner
+                    .store
+                    .read()
+                    .read(xid, &key)
+                    .map_err(plugin_failure)?
+                {
                     None => 0,
                     Some(v) => parse_int(&v).ok_or_else(|| {
                         Failure::new(
@@ -398,6 +508,7 @@ impl Kv {
                     .store
                     .read()
                     .scan(xid, &start, &end, limit as usize)
+                    .map_err(plugin_failure)?
                     .into_iter()
                     .map(|(k, _)| k)
                     .collect();
@@ -405,7 +516,13 @@ impl Kv {
                 for k in keys {
                     self.lock(xid, &k, LockMode::Shared, deadline).await?;
                     // Re-read under the lock: the value may have changed.
-                    if let Some(v) = self.inner.store.read().read(xid, &k) {
+                    if let Some(v) = self
+                        .inner
+                        .store
+                        .read()
+                        .read(xid, &k)
+                        .map_err(plugin_failure)?
+                    {
                         rows.push((k, v));
                     }
                 }
@@ -501,8 +618,29 @@ impl Resource for Participant {
 
     fn commit(&self, tid: Tid) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            self.0.store.write().commit(tid);
+            let spill = {
+                let mut store = self.0.store.write();
+                store.commit(tid);
+                store.disk().is_some_and(DiskStore::should_spill)
+            };
             self.0.locks.release_all(&tid);
+            if spill && !self.0.spilling.swap(true, Ordering::AcqRel) {
+                let inner = Arc::clone(&self.0);
+                let run = move || {
+                    if let Err(e) = spill_overlay(&inner) {
+                        tracing::warn!(error = %e, "kv: spill to the disk engine failed; kept in memory");
+                    }
+                    inner.spilling.store(false, Ordering::Release);
+                };
+                // A spill writes up to the overlay's bound: off the runtime's
+                // threads when there is one.
+                match tokio::runtime::Handle::try_current() {
+                    Ok(h) => {
+                        h.spawn_blocking(run);
+                    }
+                    Err(_) => run(),
+                }
+            }
         })
     }
 
@@ -571,16 +709,55 @@ impl Plugin for Kv {
             .cloned()
             .ok_or_else(|| plugin_failure("not attached"))?;
         let snap = snapshot::read(&dir).map_err(plugin_failure)?;
+        let (from, mut store, file) = match &self.inner.cfg.engine {
+            KvEngine::Memory => {
+                let at = snap.as_ref().map(|(at, _)| *at);
+                let (_, image) = snap.unwrap_or_default();
+                (at, Store::from_image(image), snapshot::path(&dir))
+            }
+            KvEngine::Disk(opts) => {
+                let dur = self
+                    .inner
+                    .log
+                    .get()
+                    .map(|l| l.durability().clone())
+                    .unwrap_or_default();
+                let opened = DiskStore::open(&dir, &dur, opts.clone()).map_err(plugin_failure)?;
+                let (mut disk, mut at, mut prepared) = (opened.store, opened.lsn, opened.prepared);
+                // A snapshot of the memory engine newer than the disk
+                // engine's checkpoint (the store ran in memory since): its
+                // image replaces the engine's content.
+                if let Some((snap_at, image)) = snap.filter(|(s, _)| at.is_none_or(|a| *s > a)) {
+                    tracing::info!(
+                        keys = image.committed.len(),
+                        lsn = snap_at,
+                        "kv: importing the memory engine's snapshot into the disk engine"
+                    );
+                    crate::disk::import(
+                        &mut disk,
+                        image.committed.into_iter(),
+                        snap_at,
+                        &image.prepared,
+                    )
+                    .map_err(plugin_failure)?;
+                    at = Some(snap_at);
+                    prepared = image.prepared;
+                }
+                let file = disk.file().to_path_buf();
+                self.inner
+                    .checkpointed
+                    .store(at.unwrap_or(0), Ordering::Release);
+                (at, Store::on_disk(disk, prepared), file)
+            }
+        };
         if let Some(log) = self.inner.log.get() {
-            let at = snap.as_ref().map(|(at, _)| *at);
             let (start, end) = (log.first_lsn().get(), log.end_lsn().get());
-            snapshot::check_covers(&dir, at, log.dir(), start, end).map_err(|e| {
+            snapshot::check_covers(&file, from, log.dir(), start, end).map_err(|e| {
                 tracing::error!(error = %e, "kv cannot recover");
                 plugin_failure(e)
             })?;
         }
-        let (from, image) = snap.unwrap_or_default();
-        let mut store = Store::from_image(image);
+        let from = from.unwrap_or(0);
         for r in records
             .iter()
             .filter(|r| r.tag == KV_RECORD_TAG && r.lsn.get() >= from)
@@ -623,7 +800,7 @@ impl Plugin for Kv {
             }
         }
         tracing::info!(
-            keys = store.len(),
+            overlay = store.disk().map_or(0, DiskStore::overlay_len),
             redone,
             dropped,
             in_doubt,
@@ -650,26 +827,140 @@ impl Plugin for Kv {
             .snapshot_dir()
             .cloned()
             .ok_or_else(|| plugin_failure("not attached"))?;
-        // The image and its log position are taken together under the store
-        // lock: every record before `at` is reflected in the image.
-        let (at, last, image, oldest) = {
-            let store = self.inner.store.read();
-            (
-                log.end_lsn(),
-                log.last_lsn(),
-                store.image(),
-                store.oldest_prepared(),
-            )
+        let _flush = self.inner.flush.lock();
+        let started = Instant::now();
+        // The state and its log position are taken together under the store
+        // lock: every record before `at` is reflected in it (for the disk
+        // engine: in the engine's last flush plus the frozen overlay).
+        let (at, last, state, oldest) = {
+            let mut store = self.inner.store.write();
+            let at = log.end_lsn();
+            let last = log.last_lsn();
+            let oldest = store.oldest_prepared();
+            let prepared = store.prepared_image();
+            let state = match store.image() {
+                Some(image) => Checkpointed::Image(image),
+                None => {
+                    let disk = store.disk_mut().expect("a store not in memory is on disk");
+                    let job = disk
+                        .begin_flush()
+                        .expect("flushes are serialized by the flush lock");
+                    Checkpointed::Flush(job, prepared)
+                }
+            };
+            (at, last, state, oldest)
         };
-        // The image may hold commits whose records are not durable yet
-        // (early lock release applies them once appended): the snapshot
+        // The state may hold commits whose records are not durable yet
+        // (early lock release applies them once appended): the checkpoint
         // must not outlive them, so they are forced first.
-        if last > log.durable_lsn() {
-            log.force_blocking(last).map_err(plugin_failure)?;
+        let forced = if last > log.durable_lsn() {
+            log.force_blocking(last).map_err(plugin_failure)
+        } else {
+            Ok(())
+        };
+        match state {
+            Checkpointed::Image(image) => {
+                forced?;
+                snapshot::write(log.durability(), &dir, at.get(), &image)
+                    .map_err(plugin_failure)?;
+            }
+            Checkpointed::Flush(job, _)
+                if job.is_empty()
+                    && self.inner.checkpointed.load(Ordering::Acquire) == at.get() =>
+            {
+                // Nothing appended since the last checkpoint (a prepare, an
+                // outcome, a commit all append): the engine holds it already.
+                forced?;
+                self.inner
+                    .store
+                    .write()
+                    .disk_mut()
+                    .expect("on disk")
+                    .end_flush(true)
+                    .map_err(plugin_failure)?;
+            }
+            Checkpointed::Flush(job, prepared) => {
+                let written = forced.and_then(|()| {
+                    job.write(Some((at.get(), &prepared)))
+                        .map_err(plugin_failure)
+                });
+                let ended = self
+                    .inner
+                    .store
+                    .write()
+                    .disk_mut()
+                    .expect("on disk")
+                    .end_flush(written.is_ok());
+                written?;
+                ended.map_err(plugin_failure)?;
+                self.inner.checkpointed.store(at.get(), Ordering::Release);
+                tracing::info!(
+                    keys = job.len(),
+                    lsn = at.get(),
+                    ms = started.elapsed().as_millis() as u64,
+                    "kv checkpoint written"
+                );
+            }
         }
-        snapshot::write(log.durability(), &dir, at.get(), &image).map_err(plugin_failure)?;
         // Keep the records of prepared branches: the transaction manager's
         // outcome records for them follow their prepare records.
         Ok(Some(Lsn(oldest.map_or(at.get(), |o| o.min(at.get())))))
     }
+
+    /// Closes the disk engine as a killed process would leave it: the
+    /// overlay is dropped (its commits are in the log), so that the node
+    /// restarted in this process can open the engine file again.
+    fn crash(&self) {
+        let _flush = self.inner.flush.lock();
+        *self.inner.store.write() = Store::default();
+    }
+}
+
+/// What a checkpoint writes.
+enum Checkpointed {
+    /// The whole in-memory state.
+    Image(crate::store::Image),
+    /// What changed since the last flush, with the prepared write sets.
+    Flush(FlushJob, Vec<PreparedSet>),
+}
+
+/// Writes the disk engine's overlay without making it durable (it passed its
+/// bound between checkpoints). Skips when a checkpoint is flushing.
+///
+/// Fails with Internal when the engine cannot write; the overlay then stays
+/// in memory for the next flush.
+fn spill_overlay(inner: &Inner) -> Result<(), Failure> {
+    let Some(_flush) = inner.flush.try_lock() else {
+        return Ok(());
+    };
+    let (job, last) = {
+        let mut store = inner.store.write();
+        let last = inner.log.get().map(Log::last_lsn);
+        match store.disk_mut().and_then(DiskStore::begin_flush) {
+            Some(job) => (job, last),
+            None => return Ok(()),
+        }
+    };
+    // A spill is not durable, but a clean close of the engine makes its last
+    // commit durable: the commits it holds must not outlive their records
+    // (early lock release applies them once appended), so those are forced
+    // first, as for a checkpoint. Replaying the log from the last checkpoint
+    // over such a newer state redoes the same final values.
+    let forced = match (inner.log.get(), last) {
+        (Some(log), Some(last)) if last > log.durable_lsn() => {
+            log.force_blocking(last).map_err(plugin_failure)
+        }
+        _ => Ok(()),
+    };
+    let written = forced.and_then(|()| job.write(None).map_err(plugin_failure));
+    let ended = inner
+        .store
+        .write()
+        .disk_mut()
+        .expect("on disk")
+        .end_flush(written.is_ok());
+    written?;
+    ended.map_err(plugin_failure)?;
+    tracing::debug!(keys = job.len(), "kv: overlay spilled to the disk engine");
+    Ok(())
 }

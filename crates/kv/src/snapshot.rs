@@ -84,12 +84,12 @@ pub enum SnapshotError {
 }
 
 /// Checks that a snapshot valid as of `snapshot_lsn` (`None`: no snapshot)
-/// in `dir`, together with a log in `log_dir` holding `log_start..log_end`,
+/// in the file `snapshot` (this module's, or the disk engine's), together with a log in `log_dir` holding `log_start..log_end`,
 /// holds every record: fails with [`SnapshotError::LogPastSnapshot`] when the
 /// log starts past the snapshot, [`SnapshotError::SnapshotPastLog`] when the
 /// log ends before it.
 pub fn check_covers(
-    dir: &Path,
+    snapshot: &Path,
     snapshot_lsn: Option<u64>,
     log_dir: &Path,
     log_start: u64,
@@ -97,7 +97,7 @@ pub fn check_covers(
 ) -> Result<(), SnapshotError> {
     if let Some(at) = snapshot_lsn.filter(|&at| at > log_end) {
         return Err(SnapshotError::SnapshotPastLog {
-            snapshot: path(dir),
+            snapshot: snapshot.to_path_buf(),
             snapshot_lsn: at,
             log_dir: log_dir.to_path_buf(),
             log_end,
@@ -105,7 +105,7 @@ pub fn check_covers(
     }
     if log_start > snapshot_lsn.unwrap_or(0) {
         return Err(SnapshotError::LogPastSnapshot {
-            snapshot: path(dir),
+            snapshot: snapshot.to_path_buf(),
             snapshot_lsn,
             log_dir: log_dir.to_path_buf(),
             log_start,
@@ -242,7 +242,7 @@ mod tests {
 
     #[test]
     fn a_log_not_reaching_from_the_snapshot_on_is_refused_naming_both() {
-        let (kv, log) = (Path::new("/d/kv"), Path::new("/d/log"));
+        let (kv, log) = (Path::new("/d/kv/kv.snapshot"), Path::new("/d/log"));
         check_covers(kv, None, log, 0, 32).unwrap();
         check_covers(kv, Some(4096), log, 4096, 4096).unwrap();
         check_covers(kv, Some(4096), log, 100, 8000).unwrap();

@@ -1,10 +1,12 @@
 //! The KV store's data: committed values, the write sets of live branches
 //! (per sub-transaction) and the write sets of prepared branches.
 //!
-//! Owns what each transaction sees and what commit applies. Pure data: no
-//! locks (the lock manager guards isolation), no I/O, no clocks. Must never
-//! let a write reach the committed map before its transaction committed
-//! (deferred update: abort has nothing to undo).
+//! Owns what each transaction sees and what commit applies. No locks (the
+//! lock manager guards isolation), no clocks; the committed data is either an
+//! in-memory map ([`Committed::Memory`]) or the on-disk engine
+//! ([`Committed::Disk`], reads only here: flushes are driven by the service).
+//! Must never let a write reach the committed data before its transaction
+//! committed (deferred update: abort has nothing to undo).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -13,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use weft_wire::{SubPath, Tid, Xid};
 
 use crate::api::Write;
+use crate::disk::{DiskError, DiskStore, PreparedSet};
 
 /// Writes of one live branch, per sub-transaction path.
 #[derive(Default, Debug)]
@@ -90,10 +93,83 @@ pub struct Image {
     pub prepared: Vec<(Tid, u64, Vec<Write>)>,
 }
 
+/// The committed data: every key in memory, or on disk under a bounded
+/// overlay.
+#[derive(Debug)]
+pub enum Committed {
+    /// Every committed pair in memory (snapshotted whole at checkpoints).
+    Memory(BTreeMap<Bytes, Bytes>),
+    /// The on-disk engine.
+    Disk(Box<DiskStore>),
+}
+
+impl Default for Committed {
+    fn default() -> Self {
+        Committed::Memory(BTreeMap::new())
+    }
+}
+
+impl Committed {
+    /// The committed value at `key`.
+    ///
+    /// Fails with [`DiskError`] when the engine cannot read.
+    pub fn get(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
+        match self {
+            Committed::Memory(m) => Ok(m.get(key).cloned()),
+            Committed::Disk(d) => d.get(key),
+        }
+    }
+
+    fn apply(&mut self, key: Bytes, value: Option<Bytes>) {
+        match (self, value) {
+            (Committed::Memory(m), Some(v)) => {
+                m.insert(key, v);
+            }
+            (Committed::Memory(m), None) => {
+                m.remove(&key);
+            }
+            (Committed::Disk(d), v) => d.apply(key, v),
+        }
+    }
+
+    /// Visits pairs with keys in `[start, end)` (`end` empty: no bound) in
+    /// order until `visit` returns false.
+    ///
+    /// Fails with [`DiskError`] when the engine cannot read.
+    pub fn visit_range(
+        &self,
+        start: &Bytes,
+        end: &Bytes,
+        mut visit: impl FnMut(&Bytes, &Bytes) -> bool,
+    ) -> Result<(), DiskError> {
+        match self {
+            Committed::Memory(m) => {
+                for (k, v) in m.range(start.clone()..) {
+                    if (!end.is_empty() && k >= end) || !visit(k, v) {
+                        break;
+                    }
+                }
+                Ok(())
+            }
+            Committed::Disk(d) => d.visit_range(start, end, visit),
+        }
+    }
+
+    /// Number of committed keys.
+    ///
+    /// Fails with [`DiskError`] when the engine cannot read.
+    pub fn key_count(&self) -> Result<u64, DiskError> {
+        match self {
+            Committed::Memory(m) => Ok(m.len() as u64),
+            Committed::Disk(d) => d.key_count(),
+        }
+    }
+}
+
 /// The store.
 #[derive(Default, Debug)]
 pub struct Store {
-    committed: BTreeMap<Bytes, Bytes>,
+    committed: Committed,
     live: HashMap<Tid, Branch>,
     /// Prepared write sets and the log position of their prepare record.
     prepared: HashMap<Tid, (Vec<Write>, u64)>,
@@ -110,13 +186,42 @@ impl Store {
     /// A store rebuilt from a snapshot image.
     pub fn from_image(image: Image) -> Self {
         let mut store = Store {
-            committed: image.committed,
+            committed: Committed::Memory(image.committed),
             ..Store::default()
         };
         for (tid, lsn, writes) in image.prepared {
             store.restore_prepared(tid, lsn, writes);
         }
         store
+    }
+
+    /// A store over the on-disk engine, with the prepared write sets of its
+    /// last checkpoint.
+    pub fn on_disk(disk: DiskStore, prepared: Vec<PreparedSet>) -> Self {
+        let mut store = Store {
+            committed: Committed::Disk(Box::new(disk)),
+            ..Store::default()
+        };
+        for (tid, lsn, writes) in prepared {
+            store.restore_prepared(tid, lsn, writes);
+        }
+        store
+    }
+
+    /// The on-disk engine, if the store has one.
+    pub fn disk_mut(&mut self) -> Option<&mut DiskStore> {
+        match &mut self.committed {
+            Committed::Disk(d) => Some(d),
+            Committed::Memory(_) => None,
+        }
+    }
+
+    /// The on-disk engine, if the store has one.
+    pub fn disk(&self) -> Option<&DiskStore> {
+        match &self.committed {
+            Committed::Disk(d) => Some(d),
+            Committed::Memory(_) => None,
+        }
     }
 
     /// The value `xid` sees at `key`: its own writes (its sub-transaction's,
@@ -127,20 +232,22 @@ impl Store {
     /// is prepared holds a lock the lock owner granted over the prepared
     /// writer (controlled lock violation) and waits for its outcome before
     /// voting; under strict two-phase locking nobody else can reach `key`.
-    pub fn read(&self, xid: &Xid, key: &Bytes) -> Option<Bytes> {
+    ///
+    /// Fails with [`DiskError`] when the engine cannot read.
+    pub fn read(&self, xid: &Xid, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
         if let Some(branch) = self.live.get(&xid.tid) {
             let mut path = Some(xid.path.clone());
             while let Some(p) = path {
                 if let Some(v) = branch.writes.get(&p).and_then(|w| w.get(key)) {
-                    return v.clone();
+                    return Ok(v.clone());
                 }
                 path = p.parent();
             }
         }
         if let Some(v) = self.latest_prepared(key) {
-            return v;
+            return Ok(v);
         }
-        self.committed.get(key).cloned()
+        self.committed.get(key)
     }
 
     /// The latest prepared write of `key` (`Some(None)`: a delete).
@@ -235,7 +342,15 @@ impl Store {
     }
 
     /// Keys in `[start, end)` as `xid` sees them, at most `limit`.
-    pub fn scan(&self, xid: &Xid, start: &Bytes, end: &Bytes, limit: usize) -> Vec<(Bytes, Bytes)> {
+    ///
+    /// Fails with [`DiskError`] when the engine cannot read.
+    pub fn scan(
+        &self,
+        xid: &Xid,
+        start: &Bytes,
+        end: &Bytes,
+        limit: usize,
+    ) -> Result<Vec<(Bytes, Bytes)>, DiskError> {
         let in_range = |k: &Bytes| k >= start && (end.is_empty() || k < end);
         // Own writes visible to xid, outermost first so inner ones win.
         let mut overlay: BTreeMap<Bytes, Option<Bytes>> = BTreeMap::new();
@@ -251,39 +366,41 @@ impl Store {
             }
         }
         let mut out = Vec::new();
-        let committed = self
-            .committed
-            .range(start.clone()..)
-            .take_while(|(k, _)| in_range(k));
-        let mut committed = committed.peekable();
         let mut own = overlay.into_iter().peekable();
-        while out.len() < limit {
-            let next_c = committed.peek().map(|(k, _)| (*k).clone());
-            let next_o = own.peek().map(|(k, _)| k.clone());
-            match (next_c, next_o) {
-                (None, None) => break,
-                (Some(c), Some(o)) if o <= c => {
-                    if o == c {
-                        committed.next();
+        // Own writes before (or at) each committed key come first; one at the
+        // committed key replaces it.
+        let mut emit_own_before = |k: Option<&Bytes>, out: &mut Vec<(Bytes, Bytes)>| -> bool {
+            while out.len() < limit {
+                match own.peek() {
+                    Some((o, _)) if k.is_none_or(|k| o <= k) => {
+                        let (o, v) = own.next().expect("peeked");
+                        let replaces = k == Some(&o);
+                        if let Some(v) = v {
+                            out.push((o, v));
+                        }
+                        if replaces {
+                            return true;
+                        }
                     }
-                    let (k, v) = own.next().expect("peeked");
-                    if let Some(v) = v {
-                        out.push((k, v));
-                    }
-                }
-                (Some(_), _) => {
-                    let (k, v) = committed.next().expect("peeked");
-                    out.push((k.clone(), v.clone()));
-                }
-                (None, Some(_)) => {
-                    let (k, v) = own.next().expect("peeked");
-                    if let Some(v) = v {
-                        out.push((k, v));
-                    }
+                    _ => return false,
                 }
             }
+            true
+        };
+        if limit > 0 {
+            self.committed.visit_range(start, end, |k, v| {
+                let replaced = emit_own_before(Some(k), &mut out);
+                if out.len() >= limit {
+                    return false;
+                }
+                if !replaced {
+                    out.push((k.clone(), v.clone()));
+                }
+                out.len() < limit
+            })?;
+            emit_own_before(None, &mut out);
         }
-        out
+        Ok(out)
     }
 
     /// A sub-transaction ended: its writes (and its descendants') pass to its
@@ -390,14 +507,7 @@ impl Store {
         }
         let mut keys = Vec::with_capacity(writes.len());
         for (k, v) in writes {
-            match v {
-                Some(v) => {
-                    self.committed.insert(k.clone(), v);
-                }
-                None => {
-                    self.committed.remove(&k);
-                }
-            }
+            self.committed.apply(k.clone(), v);
             keys.push(k);
         }
         keys
@@ -437,37 +547,46 @@ impl Store {
     }
 
     /// Number of committed keys.
-    pub fn len(&self) -> usize {
-        self.committed.len()
+    ///
+    /// Fails with [`DiskError`] when the engine cannot read.
+    pub fn key_count(&self) -> Result<u64, DiskError> {
+        self.committed.key_count()
     }
 
-    /// True when no key is committed.
-    pub fn is_empty(&self) -> bool {
-        self.committed.is_empty()
-    }
-
-    /// A copy of the durable state: committed map and prepared write sets.
-    pub fn image(&self) -> Image {
-        let mut prepared: Vec<(Tid, u64, Vec<Write>)> = self
+    /// The prepared write sets, by transaction.
+    pub fn prepared_image(&self) -> Vec<PreparedSet> {
+        let mut prepared: Vec<PreparedSet> = self
             .prepared
             .iter()
             .map(|(t, (w, lsn))| (*t, *lsn, w.clone()))
             .collect();
         prepared.sort_by_key(|(t, _, _)| *t);
-        Image {
-            committed: self.committed.clone(),
-            prepared,
+        prepared
+    }
+
+    /// A copy of the durable state of an in-memory store: committed map and
+    /// prepared write sets; `None` for a store on disk (its checkpoints are
+    /// flushes of what changed).
+    pub fn image(&self) -> Option<Image> {
+        match &self.committed {
+            Committed::Memory(m) => Some(Image {
+                committed: m.clone(),
+                prepared: self.prepared_image(),
+            }),
+            Committed::Disk(_) => None,
         }
     }
 
-    /// The committed value at `key` (no transaction).
-    pub fn committed(&self, key: &Bytes) -> Option<&Bytes> {
-        self.committed.get(key)
+    /// The committed data.
+    pub fn committed_data(&self) -> &Committed {
+        &self.committed
     }
 
-    /// Iterates over committed pairs in key order.
-    pub fn committed_iter(&self) -> impl Iterator<Item = (&Bytes, &Bytes)> {
-        self.committed.iter()
+    /// The committed value at `key` (no transaction).
+    ///
+    /// Fails with [`DiskError`] when the engine cannot read.
+    pub fn committed(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
+        self.committed.get(key)
     }
 }
 
@@ -495,14 +614,18 @@ mod tests {
         let t1 = Xid::top(tid(1));
         let t2 = Xid::top(tid(2));
         s.write(&t1, b("k"), Some(b("v1")));
-        assert_eq!(s.read(&t1, &b("k")), Some(b("v1")));
-        assert_eq!(s.read(&t2, &b("k")), None, "no dirty read");
+        assert_eq!(s.read(&t1, &b("k")).unwrap(), Some(b("v1")));
+        assert_eq!(s.read(&t2, &b("k")).unwrap(), None, "no dirty read");
         let w = prep(&mut s, 1, &[]).unwrap();
         assert_eq!(w, vec![(b("k"), Some(b("v1")))]);
-        assert_eq!(s.committed(&b("k")), None, "prepared is not committed");
+        assert_eq!(
+            s.committed(&b("k")).unwrap(),
+            None,
+            "prepared is not committed"
+        );
         assert_eq!(s.commit(tid(1)), vec![b("k")]);
-        assert_eq!(s.read(&t2, &b("k")), Some(b("v1")));
-        assert_eq!(s.committed(&b("k")), Some(&b("v1")));
+        assert_eq!(s.read(&t2, &b("k")).unwrap(), Some(b("v1")));
+        assert_eq!(s.committed(&b("k")).unwrap(), Some(b("v1")));
     }
 
     #[test]
@@ -511,14 +634,18 @@ mod tests {
         let (t1, t2, t3) = (Xid::top(tid(1)), Xid::top(tid(2)), Xid::top(tid(3)));
         s.write(&t1, b("k"), Some(b("v1")));
         prep(&mut s, 1, &[]);
-        assert_eq!(s.read(&t2, &b("k")), Some(b("v1")), "violation mode");
+        assert_eq!(
+            s.read(&t2, &b("k")).unwrap(),
+            Some(b("v1")),
+            "violation mode"
+        );
         s.write(&t2, b("k"), None);
         prep(&mut s, 2, &[]);
-        assert_eq!(s.read(&t3, &b("k")), None, "the later delete wins");
+        assert_eq!(s.read(&t3, &b("k")).unwrap(), None, "the later delete wins");
         s.abort(tid(2));
-        assert_eq!(s.read(&t3, &b("k")), Some(b("v1")));
+        assert_eq!(s.read(&t3, &b("k")).unwrap(), Some(b("v1")));
         s.commit(tid(1));
-        assert_eq!(s.read(&t3, &b("k")), Some(b("v1")));
+        assert_eq!(s.read(&t3, &b("k")).unwrap(), Some(b("v1")));
         assert!(s.pending.is_empty(), "the index follows the prepared sets");
     }
 
@@ -537,11 +664,11 @@ mod tests {
         assert_eq!(s.prepared_keys(tid(1)), vec![b("j")]);
         s.commit(tid(1));
         assert_eq!(
-            s.committed(&b("k")),
-            Some(&b("2")),
+            s.committed(&b("k")).unwrap(),
+            Some(b("2")),
             "not undone by the older value"
         );
-        assert_eq!(s.committed(&b("j")), Some(&b("x")));
+        assert_eq!(s.committed(&b("j")).unwrap(), Some(b("x")));
         assert!(s.pending.is_empty());
     }
 
@@ -552,7 +679,7 @@ mod tests {
         let t = Xid::top(tid(2));
         s.write(&t, b("k"), Some(b("v")));
         s.abort(tid(2));
-        assert_eq!(s.read(&Xid::top(tid(3)), &b("k")), None);
+        assert_eq!(s.read(&Xid::top(tid(3)), &b("k")).unwrap(), None);
         assert!(s.prepared_tids().is_empty());
     }
 
@@ -571,18 +698,22 @@ mod tests {
         s.write(&top, b("a"), Some(b("top")));
         s.write(&sub1, b("a"), Some(b("sub1")));
         s.write(&sub1, b("b"), Some(b("sub1")));
-        assert_eq!(s.read(&sub1, &b("a")), Some(b("sub1")));
+        assert_eq!(s.read(&sub1, &b("a")).unwrap(), Some(b("sub1")));
         assert_eq!(
-            s.read(&top, &b("a")),
+            s.read(&top, &b("a")).unwrap(),
             Some(b("top")),
             "parent does not see open child"
         );
         s.sub_ended(tid(1), &sub1.path, false);
-        assert_eq!(s.read(&top, &b("b")), None, "aborted sub leaves no trace");
+        assert_eq!(
+            s.read(&top, &b("b")).unwrap(),
+            None,
+            "aborted sub leaves no trace"
+        );
         s.write(&sub2, b("c"), Some(b("sub2")));
         s.sub_ended(tid(1), &sub2.path, true);
         assert_eq!(
-            s.read(&top, &b("c")),
+            s.read(&top, &b("c")).unwrap(),
             Some(b("sub2")),
             "committed sub passes to parent"
         );
@@ -614,14 +745,14 @@ mod tests {
         s.write(&t, b("b"), None);
         s.write(&t, b("bb"), Some(b("new")));
         s.write(&t, b("c"), Some(b("C")));
-        let rows = s.scan(&t, &b("a"), &b("d"), 10);
+        let rows = s.scan(&t, &b("a"), &b("d"), 10).unwrap();
         assert_eq!(
             rows,
             vec![(b("a"), b("a")), (b("bb"), b("new")), (b("c"), b("C"))]
         );
-        assert_eq!(s.scan(&t, &b("a"), &Bytes::new(), 2).len(), 2);
+        assert_eq!(s.scan(&t, &b("a"), &Bytes::new(), 2).unwrap().len(), 2);
         let other = Xid::top(tid(2));
-        assert_eq!(s.scan(&other, &b("a"), &Bytes::new(), 10).len(), 4);
+        assert_eq!(s.scan(&other, &b("a"), &Bytes::new(), 10).unwrap().len(), 4);
     }
 
     #[test]
@@ -630,7 +761,7 @@ mod tests {
         let t = Xid::top(tid(1));
         s.write(&t, b("k"), Some(b("v")));
         prep(&mut s, 1, &[]);
-        let again = Store::from_image(s.image());
+        let again = Store::from_image(s.image().unwrap());
         assert_eq!(again.prepared_tids(), vec![tid(1)]);
         assert_eq!(again.prepared_keys(tid(1)), vec![b("k")]);
         assert_eq!(again.oldest_prepared(), Some(1000 + 1));
@@ -667,7 +798,7 @@ mod tests {
             })
         );
         assert_eq!(
-            s.read(&top, &b("a")),
+            s.read(&top, &b("a")).unwrap(),
             Some(b("12")),
             "a refused write writes nothing"
         );

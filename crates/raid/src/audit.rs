@@ -65,9 +65,13 @@ impl SiteAudit {
 /// Audits one copy's committed state.
 pub fn audit_store(kv: &Kv) -> SiteAudit {
     let mut a = SiteAudit::default();
-    match kv.committed(PLACEMENT_KEY) {
-        None => {}
-        Some(b) => match Replicas::decode_placement(&b) {
+    match kv.try_committed(PLACEMENT_KEY) {
+        Err(f) => {
+            tracing::error!(error = %f, "audit: cannot read the placement");
+            a.malformed += 1;
+        }
+        Ok(None) => {}
+        Ok(Some(b)) => match Replicas::decode_placement(&b) {
             Some(sites) => a.placement = sites,
             None => a.malformed += 1,
         },
@@ -75,22 +79,29 @@ pub fn audit_store(kv: &Kv) -> SiteAudit {
     for rel in Relation::BALANCES {
         let mut rows = 0;
         let mut sum = 0i64;
-        for (_, v) in kv.committed_with_prefix(&[rel.prefix()]) {
-            match balance(&v) {
+        // Streamed: a copy of ten million accounts is never collected.
+        let read = kv.visit_committed_with_prefix(&[rel.prefix()], |_, v| {
+            match balance(v) {
                 Some(b) => {
                     rows += 1;
                     sum = sum.wrapping_add(b);
                 }
                 None => a.malformed += 1,
             }
+            true
+        });
+        if let Err(f) = read {
+            tracing::error!(error = %f, "audit: cannot read {}", rel.name());
+            a.malformed += 1;
         }
         a.balances.insert(rel.name().to_string(), (rows, sum));
         a.history_sums.insert(rel.name().to_string(), 0);
     }
-    for (_, v) in kv.committed_with_prefix(&[Relation::History.prefix()]) {
-        let Some(row) = HistoryRow::decode(&v) else {
-            a.malformed += 1;
-            continue;
+    let mut malformed = 0;
+    let read = kv.visit_committed_with_prefix(&[Relation::History.prefix()], |_, v| {
+        let Some(row) = HistoryRow::decode(v) else {
+            malformed += 1;
+            return true;
         };
         a.history_rows += 1;
         let touched: &[Relation] = match row.rel {
@@ -103,6 +114,12 @@ pub fn audit_store(kv: &Kv) -> SiteAudit {
         for rel in touched {
             *a.history_sums.entry(rel.name().to_string()).or_default() += row.delta;
         }
+        true
+    });
+    a.malformed += malformed;
+    if let Err(f) = read {
+        tracing::error!(error = %f, "audit: cannot read the history");
+        a.malformed += 1;
     }
     a
 }

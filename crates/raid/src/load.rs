@@ -44,7 +44,7 @@ pub struct LoadReply {
 ///
 /// Fails with Internal when the stored placement is unreadable.
 pub fn stored_placement(kv: &Kv) -> Result<Option<Vec<NodeId>>, Failure> {
-    match kv.committed(PLACEMENT_KEY) {
+    match kv.try_committed(PLACEMENT_KEY)? {
         None => Ok(None),
         Some(b) => Replicas::decode_placement(&b).map(Some).ok_or_else(|| {
             Failure::new(
@@ -100,18 +100,21 @@ pub async fn load_store(
     // Branches come last, so branch 1 is in the last batch: a copy that
     // holds it without a placement was loaded in full by a version that
     // stored none. It gets its placement alone.
-    let mut items: Vec<Item> = Vec::new();
-    if kv.committed(&marker.kv_key()).is_none() {
-        for rel in Relation::BALANCES {
-            for key in 1..=req.sizes.of(rel) {
-                items.push(Item { rel, key });
-            }
-        }
-    }
-    let tuples = items.len() as u64;
+    let sizes = req.sizes;
+    let tuples: u64 = if kv.try_committed(&marker.kv_key())?.is_none() {
+        Relation::BALANCES.iter().map(|r| sizes.of(*r)).sum()
+    } else {
+        0
+    };
+    // Generated batch by batch: a load of ten million tuples never holds
+    // them all.
+    let mut items = Relation::BALANCES
+        .into_iter()
+        .flat_map(move |rel| (1..=sizes.of(rel)).map(move |key| Item { rel, key }))
+        .take(tuples as usize);
     let zero = tuple(0);
-    let batches = items.len().div_ceil(LOAD_BATCH as usize).max(1);
-    let mut chunks = items.chunks(LOAD_BATCH as usize);
+    let batches = tuples.div_ceil(LOAD_BATCH).max(1);
+    let started = std::time::Instant::now();
     for i in 0..batches {
         // Each transaction runs in a poll of its own, never the first: the
         // RPC layer polls a handler once in the link's reader, and a load
@@ -119,10 +122,9 @@ pub async fn load_store(
         tokio::task::yield_now().await;
         let tx = rpc.begin();
         rpc.tm().enlist(tx.tid(), participant.clone())?;
-        let mut ops: Vec<Op> = chunks
-            .next()
-            .unwrap_or_default()
-            .iter()
+        let mut ops: Vec<Op> = items
+            .by_ref()
+            .take(LOAD_BATCH as usize)
             .map(|i| Op::Put(i.kv_key(), zero.clone()))
             .collect();
         if i + 1 == batches {
@@ -136,6 +138,15 @@ pub async fn load_store(
             return Err(f);
         }
         tx.commit().await?;
+        if (i + 1) % 100 == 0 {
+            tracing::info!(
+                site = %me,
+                tuples = (i + 1) * LOAD_BATCH,
+                of = tuples,
+                secs = started.elapsed().as_secs(),
+                "loading"
+            );
+        }
     }
     Ok(LoadReply {
         loaded: tuples > 0,

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use weft_kv::lock::LockMode;
-use weft_kv::{Kv, KvConfig, Locking, Op, Reply};
+use weft_kv::{Kv, KvConfig, KvEngine, Locking, Op, Reply};
 use weft_log::{Log, LogRecord, Lsn};
 use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
 use weft_tx::{ParticipationClass, Resource, TxManager, Vote};
@@ -104,6 +104,8 @@ pub struct SiteConfig {
     /// Most prepared writers in controlled lock violation at once (see
     /// [`crate::violation`]); one more keeps its locks until its outcome.
     pub max_prepared_writers: usize,
+    /// Where the copy's committed data lives.
+    pub kv_engine: KvEngine,
 }
 
 impl Default for SiteConfig {
@@ -113,6 +115,7 @@ impl Default for SiteConfig {
             tx_timeout: Duration::from_secs(10),
             markers: MarkerLimits::default(),
             max_prepared_writers: crate::violation::DEFAULT_MAX_WRITERS,
+            kv_engine: KvEngine::default(),
         }
     }
 }
@@ -253,6 +256,7 @@ impl RaidSite {
         let kv = Kv::new(KvConfig {
             lock_wait: cfg.action_timeout,
             locking: Locking::External,
+            engine: cfg.kv_engine.clone(),
             ..KvConfig::default()
         });
         let kv_participant = kv.resource();
@@ -628,6 +632,7 @@ impl Plugin for RaidSite {
 
     fn crash(&self) {
         self.inner.crashed.store(true, Ordering::Relaxed);
+        self.inner.kv.crash();
     }
 
     fn checkpoint(&self, log: &Log) -> Result<Option<Lsn>, Failure> {

@@ -434,6 +434,17 @@ async fn committed_writes_survive_a_crash_and_restart_from_the_data_directory() 
 /// snapshot must refuse to start instead of coming up empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_survives_power_loss_and_a_log_past_its_snapshot_is_refused() {
+    checkpoint_survives_power_loss(weft::kv::KvEngine::Memory, "kv.snapshot").await;
+}
+
+/// The same with the disk engine, whose checkpoint is a durable commit of
+/// its file: that file lost, the log past it is refused the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_engine_checkpoint_survives_power_loss_and_a_log_past_it_is_refused() {
+    checkpoint_survives_power_loss(weft::kv::KvEngine::default(), "kv.redb").await;
+}
+
+async fn checkpoint_survives_power_loss(engine: weft::kv::KvEngine, file: &str) {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("data");
     let sim = weft::PowerLoss::new();
@@ -444,7 +455,10 @@ async fn a_checkpoint_survives_power_loss_and_a_log_past_its_snapshot_is_refused
         builder(2, &hub, &plan)
             .data_dir(dir.clone())
             .log_config(move |c| c.durability(d))
-            .plugin(Arc::new(Kv::new(KvConfig::default())))
+            .plugin(Arc::new(Kv::new(KvConfig {
+                engine: engine.clone(),
+                ..KvConfig::default()
+            })))
             .join(weft::Seed::Inproc(NodeId(1)))
             .start()
     };
@@ -474,7 +488,7 @@ async fn a_checkpoint_survives_power_loss_and_a_log_past_its_snapshot_is_refused
     drop(n2);
 
     // The snapshot is gone but the log says it starts past it: refuse, loudly.
-    let snapshot = dir.join("kv").join("kv.snapshot");
+    let snapshot = dir.join("kv").join(file);
     std::fs::remove_file(&snapshot).unwrap();
     let err = match start().await {
         Ok(_) => panic!("a node whose log starts past its snapshot started"),

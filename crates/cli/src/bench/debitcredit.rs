@@ -25,9 +25,18 @@ pub struct DebitCreditArgs {
     /// Which DebitCredit.
     #[arg(long, default_value = "tpcb")]
     pub mode: Mode,
-    /// tpcb scale.
-    #[arg(long, default_value_t = 1)]
+    /// tpcb scale (100 000 accounts a unit; 100 is ten million accounts
+    /// per copy).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub scale: u32,
+    /// KV engines to measure, alternated in each round (`disk`, `memory`,
+    /// or both: `disk,memory`); the first one's figures are the report's
+    /// main keys, and each other one's ratio against it is printed too.
+    #[arg(long, value_delimiter = ',', default_value = "disk", value_parser = ["disk", "memory"])]
+    pub kv_engine: Vec<String>,
+    /// Page cache of each site's disk engine, in MiB.
+    #[arg(long, default_value_t = 64)]
+    pub kv_cache_mib: usize,
     /// How long each run lasts.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub duration: Duration,
@@ -105,10 +114,14 @@ fn mean(v: &[f64]) -> f64 {
     }
 }
 
-async fn run_sites(args: &DebitCreditArgs, sites: u32) -> anyhow::Result<SiteRun> {
+async fn run_sites(args: &DebitCreditArgs, sites: u32, engine: &str) -> anyhow::Result<SiteRun> {
     let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
-    let pb = progress(&format!("{sites} site(s): starting and loading"));
-    let cluster = RaidCluster::start(sites, &base, ClusterOptions::default()).await?;
+    let pb = progress(&format!(
+        "{sites} site(s), {engine} engine: starting and loading"
+    ));
+    let mut opts = ClusterOptions::default();
+    opts.site.kv_engine = crate::node_cmd::kv_engine(engine, args.kv_cache_mib);
+    let cluster = RaidCluster::start(sites, &base, opts).await?;
     let sizes = Workload::sizes(args.mode, args.scale);
     cluster.load(sizes).await?;
     pb.set_message(format!(
@@ -179,17 +192,54 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
     if let Some(mut s) = server.take() {
         tokio::task::spawn_blocking(move || s.stop()).await??;
     }
-    let (runs, pg) = measured?;
-    report(&args, &runs, pg.as_ref())
+    let (mut runs, pg) = measured?;
+    let main = runs.remove(0).1;
+    report_engines(&args, &main, &runs);
+    report(&args, &main, pg.as_ref(), &runs)
 }
+
+/// Prints each further engine's figures and its ratio against the first.
+fn report_engines(
+    args: &DebitCreditArgs,
+    main: &[(u32, Rounds)],
+    others: &[(String, Vec<(u32, Rounds)>)],
+) {
+    if others.is_empty() {
+        return;
+    }
+    let first = &args.kv_engine[0];
+    for (engine, runs) in others {
+        for (s, r) in runs {
+            let base = main.iter().find(|(m, _)| m == s).map(|(_, r)| r.tps());
+            println!(
+                "weft, {s} site(s), {engine} engine: {:.0} tps (audit {}); {first} / {engine}: {:.3}",
+                r.tps(),
+                if r.audit_ok { "ok" } else { "FAILED" },
+                base.map_or(0.0, |b| b / r.tps().max(1e-9)),
+            );
+        }
+    }
+}
+
+/// Runs of every configuration, by engine (in `--kv-engine` order).
+type EngineRuns = Vec<(String, Vec<(u32, Rounds)>)>;
 
 /// Every round: each site count and pgbench, weft first in odd rounds and
 /// pgbench first in even ones.
 async fn measure_rounds(
     args: &DebitCreditArgs,
     server: Option<&weft_pg::TempPostgres>,
-) -> anyhow::Result<(Vec<(u32, Rounds)>, Option<Rounds>)> {
-    let mut runs: Vec<(u32, Rounds)> = args.sites.iter().map(|&s| (s, Rounds::default())).collect();
+) -> anyhow::Result<(EngineRuns, Option<Rounds>)> {
+    let mut runs: EngineRuns = args
+        .kv_engine
+        .iter()
+        .map(|e| {
+            (
+                e.clone(),
+                args.sites.iter().map(|&s| (s, Rounds::default())).collect(),
+            )
+        })
+        .collect();
     let mut pg = server.map(|_| Rounds::default());
     for round in 0..args.rounds {
         let pg_first = round % 2 == 1;
@@ -214,8 +264,15 @@ async fn measure_rounds(
                     pg.add_pgbench(&r);
                 }
             } else {
-                for (s, rounds) in runs.iter_mut() {
-                    rounds.add_site(&run_sites(args, *s).await?);
+                // Engines alternate too: the first one first in odd rounds.
+                let n = runs.len();
+                for i in 0..args.sites.len() {
+                    for j in 0..n {
+                        let e = if round % 2 == 0 { j } else { n - 1 - j };
+                        let (engine, per_site) = &mut runs[e];
+                        let (s, rounds) = &mut per_site[i];
+                        rounds.add_site(&run_sites(args, *s, engine).await?);
+                    }
                 }
             }
         }
@@ -228,6 +285,7 @@ fn report(
     args: &DebitCreditArgs,
     runs: &[(u32, Rounds)],
     pg: Option<&Rounds>,
+    others: &[(String, Vec<(u32, Rounds)>)],
 ) -> anyhow::Result<()> {
     println!(
         "weft bench debitcredit: {} mode, scale {}, {} clients, {:?} per run, {} round(s), every relation on every site",
@@ -326,6 +384,36 @@ fn report(
             mean(&r.messages)
         );
     }
+    let first = &args.kv_engine[0];
+    for (engine, other) in others {
+        for (s, r) in other {
+            report.insert(format!("weft_tps_sites_{s}_{engine}"), json!(r2(r.tps())));
+            report.insert(
+                format!("weft_tps_sites_{s}_{engine}_rounds"),
+                json!(rounded(&r.tps)),
+            );
+            report.insert(format!("audit_sites_{s}_{engine}"), json!(r.audit_ok));
+            if let Some((_, m)) = runs.iter().find(|(m, _)| m == s) {
+                let ratio = m.tps() / r.tps().max(1e-9);
+                report.insert(
+                    format!("{first}_vs_{engine}_tps_sites_{s}"),
+                    json!(r2(ratio)),
+                );
+                if first == "disk" && engine == "memory" {
+                    met.insert(
+                        format!("disk_vs_memory_sites_{s}"),
+                        json!(check(
+                            &format!("weft_tps_sites_{s} (disk) / weft_tps_sites_{s}_memory"),
+                            ratio,
+                            ">=",
+                            0.9
+                        )),
+                    );
+                }
+            }
+        }
+    }
+    report.insert("kv_engine".into(), json!(first));
     report.insert("targets_met".into(), serde_json::Value::Object(met));
     report.insert("mode".into(), json!(args.mode.to_string()));
     report.insert("scale".into(), json!(args.scale));
@@ -347,6 +435,12 @@ fn report(
         )?;
         eprintln!("wrote {}", path.display());
     }
-    anyhow::ensure!(runs.iter().all(|(_, r)| r.audit_ok), "an audit failed");
+    anyhow::ensure!(
+        runs.iter().all(|(_, r)| r.audit_ok)
+            && others
+                .iter()
+                .all(|(_, o)| o.iter().all(|(_, r)| r.audit_ok)),
+        "an audit failed"
+    );
     Ok(())
 }

@@ -6,6 +6,7 @@
 
 pub mod commit;
 pub mod debitcredit;
+pub mod kvstore;
 pub mod log;
 pub mod net;
 pub mod plot;
@@ -41,6 +42,9 @@ pub enum BenchCmd {
     /// The Transactional Network Interface experiment (seed 001, section
     /// 3.2): tx/s of SMA and 2CA against a non-transactional baseline.
     Net(net::NetArgs),
+    /// The KV disk engine at a small and a large size: checkpoint, reopen,
+    /// random reads.
+    Kvstore(kvstore::KvStoreArgs),
 }
 
 /// Runs a benchmark.
@@ -53,6 +57,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Group(a) => crate::group_cmd::run_bench(a).await,
         BenchCmd::Soak(a) => soak::run(a).await,
         BenchCmd::Net(a) => net::run(a).await,
+        BenchCmd::Kvstore(a) => kvstore::run(a).await,
     }
 }
 
