@@ -394,7 +394,10 @@ pub(crate) struct Scan {
 /// Pure: recovery cuts the file at `end`. Never panics, whatever the bytes, for a `base`
 /// below [`MAX_SEGMENT_BASE`] (recovery refuses any other) and a buffer shorter than 2^62.
 pub(crate) fn scan_records(buf: &[u8], base: u64) -> Scan {
-    debug_assert!(base < MAX_SEGMENT_BASE, "segment base {base} past the limit");
+    debug_assert!(
+        base < MAX_SEGMENT_BASE,
+        "segment base {base} past the limit"
+    );
     let mut pos = SEGMENT_HEADER_LEN as usize;
     let mut records = Vec::new();
     let mut invalid = None;
