@@ -115,7 +115,8 @@ fuzz_target!(|data: &[u8]| {
     let mut buf = BytesMut::new();
     let mut fed = 0;
     let mut consumed = 0;
-    let mut frames = 0usize;
+    // Frames consumed, bad requests included (they are consumed whole too).
+    let mut units = 0usize;
     'link: while fed < stream.len() {
         let n = read.min(stream.len() - fed);
         buf.extend_from_slice(&stream[fed..fed + n]);
@@ -134,9 +135,9 @@ fuzz_target!(|data: &[u8]| {
                     assert_eq!(peeked, Some(frame.kind()));
                     let wire = &stream[consumed..consumed + used];
                     consumed += used;
-                    frames += 1;
+                    units += 1;
                     check_round_trip(&frame, wire, integrity, &limits);
-                    if frames == 1
+                    if units == 1
                         && consumed == stream.len()
                         && integrity == Integrity::Checksummed
                     {
@@ -166,6 +167,7 @@ fuzz_target!(|data: &[u8]| {
                     let used = before - buf.len();
                     assert!(used >= HEADER_LEN, "a bad request is consumed whole");
                     consumed += used;
+                    units += 1;
                 }
                 Err(_) => break 'link,
             }
