@@ -55,8 +55,9 @@ for t in "${targets[@]}"; do
     set -e
     execs=$(grep -o 'stat::number_of_executed_units: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || true)
     took=$(grep -o 'Done [0-9]* runs in [0-9]* second' "$log" | tail -1 | grep -o 'in [0-9]*' | grep -o '[0-9]*' || true)
-    crashes=$(grep -c -E '^==[0-9]+== ?ERROR|^thread .* panicked|deadly signal' "$log" || true)
-    hangs=$(grep -c 'ERROR: libFuzzer: timeout' "$log" || true)
+    # One artifact per failing input: crash-* (panic, signal), oom-*, timeout-* (a hang).
+    crashes=$(grep -c -E 'Test unit written to .*/(crash|oom)-' "$log" || true)
+    hangs=$(grep -c -E 'Test unit written to .*/timeout-' "$log" || true)
     if [ "$rc" -ne 0 ]; then
         status=1
         result="FAILED (exit $rc; see $log and fuzz/artifacts/$t/)"
