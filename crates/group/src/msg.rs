@@ -140,6 +140,43 @@ mod shared_gid {
     }
 }
 
+/// Batches do not nest. Decoding recurses once per level of nesting, and a
+/// level costs a peer two bytes, so a message of nested batches within the
+/// message size limit would overflow the stack of the thread decoding it
+/// (a tokio worker) and kill the node. Senders only batch messages that are
+/// not batches themselves, so a batch met while decoding a batch is refused.
+mod flat_batch {
+    use std::cell::Cell;
+
+    use serde::{de::Error as _, Deserialize, Deserializer};
+
+    use super::GroupMsg;
+
+    thread_local! {
+        /// True while this thread decodes the messages of a batch.
+        static IN_BATCH: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Clears [`IN_BATCH`] however the batch's decoding ends.
+    struct Leave;
+
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            IN_BATCH.set(false);
+        }
+    }
+
+    /// Decodes a batch's messages; fails when already inside a batch.
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<GroupMsg>, D::Error> {
+        if IN_BATCH.get() {
+            return Err(D::Error::custom("a batch inside a batch"));
+        }
+        IN_BATCH.set(true);
+        let _leave = Leave;
+        Vec::<GroupMsg>::deserialize(d)
+    }
+}
+
 /// Orders table changes: the directory's incarnation, then a counter. A
 /// restarted directory's changes win over everything its predecessor said.
 #[derive(
@@ -388,7 +425,9 @@ pub enum GroupMsg {
     },
     /// Several messages to one node, sent together (a delivery count with
     /// the replies made at once, acknowledgements, terminations). The
-    /// receiver takes the counts first.
+    /// receiver takes the counts first. Batches do not nest: a batch inside
+    /// a batch is refused when decoded (see `flat_batch` in this file).
+    #[serde(deserialize_with = "flat_batch::deserialize")]
     Batch(Vec<GroupMsg>),
     /// Directory → a node it hears from again after declaring it dead:
     /// introduce yourself again (`Sync`); the pushes sent while the link was
@@ -594,6 +633,35 @@ impl GroupMsg {
 mod tests {
     use super::*;
     use weft_wire::payload::{decode_postcard, encode_postcard};
+
+    /// Found by the `group_msg` fuzz target's rule: a peer's message of nested batches
+    /// (two bytes a level) made the decoder recurse once per level and overflow the stack of
+    /// the tokio worker decoding it, killing the node. A batch inside a batch is refused.
+    #[test]
+    fn nested_batches_are_refused_not_a_stack_overflow() {
+        const BATCH: u8 = 14; // GroupMsg::Batch's variant index
+        const RESYNC: u8 = 15;
+        let mut deep = Vec::new();
+        for _ in 0..1_000_000 {
+            deep.extend_from_slice(&[BATCH, 1]);
+        }
+        deep.push(RESYNC);
+        // On a thread with a tokio worker's stack (2 MiB), as the runtime decodes.
+        let got = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || decode_postcard::<GroupMsg>(&deep).map(|m| m.kind()))
+            .unwrap()
+            .join()
+            .unwrap();
+        got.expect_err("deep nesting must be refused");
+        // One level is what senders make, and is fine.
+        let one = decode_postcard::<GroupMsg>(&[BATCH, 2, RESYNC, RESYNC]).unwrap();
+        assert!(matches!(&one, GroupMsg::Batch(v) if v.len() == 2));
+        assert!(decode_postcard::<GroupMsg>(&[BATCH, 1, BATCH, 1, RESYNC]).is_err());
+        // A failed decode leaves nothing behind: the next message decodes normally.
+        assert!(decode_postcard::<GroupMsg>(&[BATCH, 1, BATCH, 0]).is_err());
+        assert!(decode_postcard::<GroupMsg>(&[BATCH, 1, RESYNC]).is_ok());
+    }
 
     #[test]
     fn bodies_encode_local_values_and_bytes_alike() {

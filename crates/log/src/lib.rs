@@ -53,6 +53,9 @@ mod dir;
 mod durable;
 mod error;
 mod flusher;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod log;
 mod lsn;
 mod mem;

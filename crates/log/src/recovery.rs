@@ -7,6 +7,7 @@
 //! be followed by them.
 
 use std::fmt;
+use std::ops::Range;
 use std::path::Path;
 
 use bytes::Bytes;
@@ -137,6 +138,10 @@ pub(crate) struct Recovery {
     pub last_lsn: u64,
 }
 
+/// Segments start below this position (2^62 bytes: centuries of logging at disk speed), so
+/// `base + offset` never overflows for any file recovery reads or any append after it.
+pub(crate) const MAX_SEGMENT_BASE: u64 = 1 << 62;
+
 /// Runs recovery on `config.dir`: validates every record from the oldest retained segment on,
 /// cuts the log at the first invalid one, makes what remains durable, and creates the first
 /// segment of a fresh log.
@@ -149,6 +154,18 @@ pub(crate) fn recover(config: &LogConfig) -> Result<Recovery> {
     let dur = &config.durability;
     let meta_start = meta::read(dur, dir)?;
     let bases = dir::scan(dur, dir)?;
+    if let Some(&base) = bases.iter().find(|&&b| b >= MAX_SEGMENT_BASE) {
+        // Positions are byte offsets of the log stream: no log reaches 2^62 bytes, so such a
+        // file is not one of this log's, and its positions could overflow.
+        return Err(LogError::Corrupt {
+            lsn: Lsn(base),
+            reason: format!(
+                "segment {} starts past the largest log position ({})",
+                segment::file_name(base),
+                Lsn(MAX_SEGMENT_BASE)
+            ),
+        });
+    }
 
     let Some(&oldest) = bases.first() else {
         if let Some(start) = meta_start.filter(|&s| s > 0) {
@@ -318,22 +335,11 @@ fn scan_segment(
         )));
     }
 
-    let mut pos = SEGMENT_HEADER_LEN as usize;
-    let mut found = Vec::new();
-    let mut invalid = None;
-    loop {
-        match record::decode_at(&buf, pos, base + pos as u64) {
-            Decoded::Record { tag, payload, next } => {
-                found.push((base + pos as u64, tag, payload));
-                pos = next;
-            }
-            Decoded::End => break,
-            Decoded::Invalid(reason) => {
-                invalid = Some(reason);
-                break;
-            }
-        }
-    }
+    let Scan {
+        records: found,
+        end: pos,
+        invalid,
+    } = scan_records(&buf, base);
 
     if let Some(reason) = invalid {
         let garbage_end = buf[pos..]
@@ -368,6 +374,49 @@ fn scan_segment(
         }
     }
     Ok(SegmentScan::Kept { end: pos as u64 })
+}
+
+/// What [`scan_records`] found in one segment's bytes.
+#[derive(Debug)]
+pub(crate) struct Scan {
+    /// Every valid record, in order: its LSN, tag and payload range in the buffer.
+    pub(crate) records: Vec<(u64, RecordTag, Range<usize>)>,
+    /// Offset right after the last valid record: where the segment is cut.
+    pub(crate) end: usize,
+    /// Why the record at `end` is invalid, or `None` when the segment ends cleanly there.
+    pub(crate) invalid: Option<String>,
+}
+
+/// Validates the records of a segment read into `buf` (header included, not checked here),
+/// whose byte 0 has log position `base`, up to the first invalid record or the clean end.
+/// Pure: recovery cuts the file at `end`. Never panics, whatever the bytes, for a `base`
+/// below [`MAX_SEGMENT_BASE`] (recovery refuses any other) and a buffer shorter than 2^62.
+pub(crate) fn scan_records(buf: &[u8], base: u64) -> Scan {
+    debug_assert!(
+        base < MAX_SEGMENT_BASE,
+        "segment base {base} past the limit"
+    );
+    let mut pos = SEGMENT_HEADER_LEN as usize;
+    let mut records = Vec::new();
+    let mut invalid = None;
+    loop {
+        match record::decode_at(buf, pos, base + pos as u64) {
+            Decoded::Record { tag, payload, next } => {
+                records.push((base + pos as u64, tag, payload));
+                pos = next;
+            }
+            Decoded::End => break,
+            Decoded::Invalid(reason) => {
+                invalid = Some(reason);
+                break;
+            }
+        }
+    }
+    Scan {
+        records,
+        end: pos,
+        invalid,
+    }
 }
 
 /// For a segment whose header is unusable: `Some(non-zero bytes in the header region)` if no
@@ -416,4 +465,42 @@ fn remove_stale(dur: &Durability, dir: &Path, bases: &[u64]) -> Result<()> {
         sync_dir(dur, dir)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the `log_scan` fuzz target: a segment whose base lies near the top of the
+    /// LSN range (a file named `ffffffffffffffe0.wlog` with a matching header, and a
+    /// `log.meta` starting there) made the scan's `base + offset` overflow: a panic in debug
+    /// builds, wrapped LSNs in release. Such a directory is refused as corrupt.
+    #[test]
+    fn a_segment_near_the_top_of_the_lsn_range_is_refused_not_a_panic() {
+        for base in [u64::MAX - 31, u64::MAX - 0xfff, MAX_SEGMENT_BASE] {
+            let base = base & !7;
+            let tmp = tempfile::tempdir().unwrap();
+            let mut config = LogConfig::new(tmp.path());
+            config.segment_size = 4096;
+            let dur = config.durability.clone();
+            segment::create(&dur, tmp.path(), base, 4096, true).unwrap();
+            meta::write(&dur, tmp.path(), base).unwrap();
+            match recover(&config) {
+                Err(LogError::Corrupt { lsn, reason }) => {
+                    assert_eq!(lsn, Lsn(base));
+                    assert!(reason.contains("largest"), "{reason}");
+                }
+                other => panic!("base {base:#x}: {other:?}"),
+            }
+        }
+        // Just below the limit is an ordinary (empty) log.
+        let tmp = tempfile::tempdir().unwrap();
+        let mut config = LogConfig::new(tmp.path());
+        config.segment_size = 4096;
+        let base = MAX_SEGMENT_BASE - 4096;
+        segment::create(&config.durability, tmp.path(), base, 4096, true).unwrap();
+        meta::write(&config.durability, tmp.path(), base).unwrap();
+        let r = recover(&config).unwrap();
+        assert_eq!(r.recovered.end_lsn, Lsn(base + SEGMENT_HEADER_LEN));
+    }
 }

@@ -7,6 +7,9 @@
 pub mod channel;
 pub mod config;
 pub mod fault;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod host;
 pub mod naming;
 pub mod shm;

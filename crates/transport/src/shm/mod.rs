@@ -22,6 +22,9 @@
 
 pub mod bench;
 mod channel;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod mem;
 mod poll;
 mod ring;
