@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use weft_kv::store::{Image, Store};
+use weft_kv::store::{Committed, Image, Store};
 use weft_kv::{int_value, parse_int};
 use weft_raid::audit::{Audit, SiteAudit};
 use weft_raid::rc::{Replicas, PLACEMENT_KEY};
@@ -59,11 +59,21 @@ pub fn bank_key(node: usize, idx: u8) -> Bytes {
     Bytes::from(vec![b'B', node as u8, idx])
 }
 
+/// The committed pairs of a simulated node's store. The simulator runs the KV store's memory
+/// engine (its snapshots go through the simulated disk); the disk engine's own crash points are
+/// enumerated by `weft_kv`'s tests.
+pub fn committed_map(store: &Store) -> &BTreeMap<Bytes, Bytes> {
+    match store.committed_data() {
+        Committed::Memory(m) => m,
+        Committed::Disk(_) => unreachable!("the simulator runs the KV store's memory engine"),
+    }
+}
+
 /// Raid's per-copy audit over a store's committed state (as `weft_raid::audit::audit_store`
 /// does over a KV service).
 pub fn site_audit(store: &Store) -> SiteAudit {
     let mut a = SiteAudit::default();
-    if let Some(b) = store.committed(&Bytes::from_static(PLACEMENT_KEY)) {
+    if let Some(b) = committed_map(store).get(&Bytes::from_static(PLACEMENT_KEY)) {
         match Replicas::decode_placement(b) {
             Some(sites) => a.placement = sites,
             None => a.malformed += 1,
@@ -73,7 +83,7 @@ pub fn site_audit(store: &Store) -> SiteAudit {
         a.balances.insert(rel.name().to_string(), (0, 0));
         a.history_sums.insert(rel.name().to_string(), 0);
     }
-    for (k, v) in store.committed_iter() {
+    for (k, v) in committed_map(store) {
         let Some(&p) = k.first() else { continue };
         if k.len() != 9 {
             continue; // not a Raid item (bank keys, the placement)
@@ -325,10 +335,7 @@ impl Checker {
                     }
                 }
             }
-            let actual: BTreeMap<Bytes, Bytes> = store
-                .committed_iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
+            let actual: BTreeMap<Bytes, Bytes> = committed_map(store).clone();
             let keys: BTreeSet<&Bytes> = model.keys().chain(actual.keys()).collect();
             let mut wrong = 0;
             for k in keys {
@@ -357,8 +364,11 @@ impl Checker {
             .iter()
             .flat_map(|(id, s)| {
                 let i = id.0 as usize - 1;
-                (0..self.accounts)
-                    .filter_map(move |a| s.committed(&bank_key(i, a)).and_then(|v| parse_int(v)))
+                (0..self.accounts).filter_map(move |a| {
+                    committed_map(s)
+                        .get(&bank_key(i, a))
+                        .and_then(|v| parse_int(v))
+                })
             })
             .sum();
         if stores.len() == self.nodes && total != self.total() {

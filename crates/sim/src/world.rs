@@ -780,7 +780,9 @@ impl Sim {
         let (at, last, image, oldest) = (
             log.end_lsn(),
             log.last_lsn(),
-            node.store.image(),
+            node.store
+                .image()
+                .expect("the simulator runs the KV store's memory engine"),
             node.store.oldest_prepared(),
         );
         let low_water = node.tm.as_ref().and_then(|tm| tm.low_water());
@@ -1042,7 +1044,10 @@ impl Sim {
             node.locks
                 .try_acquire(xid.clone(), key.clone(), mode)
                 .map_err(|e| format!("n{}: {e}", node.id.0))?;
-            let cur = node.store.read(&xid, key);
+            let cur = node
+                .store
+                .read(&xid, key)
+                .expect("the memory engine reads without failing");
             match op {
                 Op::Read(_) => out.push(cur.as_deref().and_then(parse_int).unwrap_or(0)),
                 Op::AddInt(k, d) => {
