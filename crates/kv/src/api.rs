@@ -80,3 +80,22 @@ pub enum KvRecord {
 
 /// The log tag of KV records.
 pub const KV_RECORD_TAG: weft_log::RecordTag = weft_log::RecordTag(0x0200);
+
+impl KvRecord {
+    /// Appends the prepare record of `tid`'s write set to `log` (not forced:
+    /// the transaction manager forces before the vote) and returns its LSN.
+    /// The one way a prepared write set reaches the log, for the KV service
+    /// and for drivers of the store such as the simulator.
+    ///
+    /// Fails with the log's error, as text (the vote's reason).
+    pub fn append_prepared(log: &weft_log::Log, tid: Tid, writes: &[Write]) -> Result<u64, String> {
+        let rec = KvRecord::Prepared {
+            tid,
+            writes: writes.to_vec(),
+        };
+        let bytes = postcard::to_allocvec(&rec).map_err(|e| e.to_string())?;
+        log.append(KV_RECORD_TAG, &bytes)
+            .map(|l| l.get())
+            .map_err(|e| e.to_string())
+    }
+}

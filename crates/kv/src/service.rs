@@ -587,14 +587,7 @@ impl Resource for Participant {
     fn prepare<'a>(&'a self, tid: Tid, log: &'a Log) -> BoxFuture<'a, Vote> {
         Box::pin(async move {
             let prepared = self.0.store.write().prepare(tid, &[], |writes| {
-                let rec = KvRecord::Prepared {
-                    tid,
-                    writes: writes.to_vec(),
-                };
-                let bytes = postcard::to_allocvec(&rec).map_err(|e| e.to_string())?;
-                log.append(KV_RECORD_TAG, &bytes)
-                    .map(|l| l.get())
-                    .map_err(|e| e.to_string())
+                KvRecord::append_prepared(log, tid, writes)
             });
             match prepared {
                 Ok(None) => {

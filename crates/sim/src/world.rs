@@ -968,14 +968,7 @@ impl Sim {
             return Vote::No("node down".into());
         };
         let prepared = node.store.prepare(tid, aborted, |writes| {
-            let rec = KvRecord::Prepared {
-                tid,
-                writes: writes.to_vec(),
-            };
-            let bytes = postcard::to_allocvec(&rec).map_err(|e| e.to_string())?;
-            log.append(KV_RECORD_TAG, &bytes)
-                .map(|l| l.get())
-                .map_err(|e| e.to_string())
+            KvRecord::append_prepared(&log, tid, writes)
         });
         match prepared {
             Ok(None) => {

@@ -667,22 +667,6 @@ impl TxManager {
     }
 }
 
-fn tid_of(msg: &TxMsg) -> Tid {
-    match msg {
-        TxMsg::Prepare { tid, .. }
-        | TxMsg::Vote { tid, .. }
-        | TxMsg::VoteAfter { tid, .. }
-        | TxMsg::Decision { tid, .. }
-        | TxMsg::Ack { tid }
-        | TxMsg::Abort { tid, .. }
-        | TxMsg::Inquire { tid }
-        | TxMsg::Outcome { tid, .. }
-        | TxMsg::Enlist { tid, .. }
-        | TxMsg::Enlisted { tid, .. }
-        | TxMsg::SubEnded { tid, .. } => *tid,
-    }
-}
-
 impl TmInner {
     /// Steps the core with one event, now.
     fn step(&self, event: Event) -> Vec<Act> {
@@ -923,7 +907,7 @@ impl TmInner {
     }
 
     fn send(&self, to: NodeId, msg: TxMsg) -> Option<Event> {
-        let tid = tid_of(&msg);
+        let tid = msg.tid();
         match self.endpoint.send(to, Port::TX, Payload::local(msg)) {
             Ok(()) => None,
             Err(f) => {

@@ -155,6 +155,25 @@ pub enum TxMsg {
     },
 }
 
+impl TxMsg {
+    /// The transaction the message is about.
+    pub fn tid(&self) -> Tid {
+        match self {
+            TxMsg::Prepare { tid, .. }
+            | TxMsg::Vote { tid, .. }
+            | TxMsg::VoteAfter { tid, .. }
+            | TxMsg::Decision { tid, .. }
+            | TxMsg::Ack { tid }
+            | TxMsg::Abort { tid, .. }
+            | TxMsg::Inquire { tid }
+            | TxMsg::Outcome { tid, .. }
+            | TxMsg::Enlist { tid, .. }
+            | TxMsg::Enlisted { tid, .. }
+            | TxMsg::SubEnded { tid, .. } => *tid,
+        }
+    }
+}
+
 /// Log records written by the transaction manager (tag [`TM_RECORD_TAG`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TmRecord {

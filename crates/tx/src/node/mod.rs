@@ -729,22 +729,6 @@ fn phase_name(p: &Phase) -> &'static str {
     }
 }
 
-fn tid_of(msg: &TxMsg) -> Tid {
-    match msg {
-        TxMsg::Prepare { tid, .. }
-        | TxMsg::Vote { tid, .. }
-        | TxMsg::VoteAfter { tid, .. }
-        | TxMsg::Decision { tid, .. }
-        | TxMsg::Ack { tid }
-        | TxMsg::Abort { tid, .. }
-        | TxMsg::Inquire { tid }
-        | TxMsg::Outcome { tid, .. }
-        | TxMsg::Enlist { tid, .. }
-        | TxMsg::Enlisted { tid, .. }
-        | TxMsg::SubEnded { tid, .. } => *tid,
-    }
-}
-
 /// The result `commit` reports: Ok, or the abort's cause.
 fn outcome_result(tid: Tid, o: Outcome, cause: Option<(Status, &str)>) -> Result<(), Failure> {
     match (o, cause) {
@@ -1598,7 +1582,7 @@ impl<R: ResourceRef> TmCore<R> {
         msg: TxMsg,
         out: &mut Vec<Action<R>>,
     ) {
-        let tid = tid_of(&msg);
+        let tid = msg.tid();
         let live = self.txs.contains_key(&tid);
         let input = match msg {
             TxMsg::Prepare {
