@@ -358,6 +358,8 @@ async fn a_repeat_after_its_marker_was_reclaimed_is_refused_not_run_twice() {
         key: 0xfeed,
     }
     .kv_key();
+    // The other copies apply the commit in phase two, after the answer.
+    assert!(c.quiesce(Duration::from_secs(20)).await);
     assert!(c.sites.iter().all(|s| s.store().committed(&key).is_some()));
     assert_eq!(
         c.sites[0].bookkeeping().markers,
