@@ -11,18 +11,8 @@ use std::fmt;
 /// node core), plus the points the simulator adds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum CrashPoint {
-    /// A participant is about to append (and force) its prepare record.
-    ParticipantBeforePrepareForce,
-    /// A participant's prepare record is durable; its vote is not sent.
-    ParticipantPrepared,
-    /// All votes are in; the coordinator's commit record is not yet forced.
-    CoordinatorBeforeCommitForce,
-    /// The commit record is durable; no decision has been sent.
-    CoordinatorAfterCommitForce,
-    /// The coordinator sent the decision; its own resources have not applied it.
-    CoordinatorDecisionSent,
-    /// A participant received the commit decision and has not applied it.
-    ParticipantPhaseTwo,
+    /// One of the commit protocol's named points, reached by the node core.
+    Protocol(weft_tx::node::CrashPoint),
     /// A participant executed a call and has not answered it.
     ParticipantAfterCall,
     /// A node is writing a checkpoint (snapshot written, log not yet truncated).
@@ -30,27 +20,25 @@ pub enum CrashPoint {
 }
 
 impl CrashPoint {
-    /// Every point, for coverage reports.
-    pub const ALL: [CrashPoint; 8] = [
-        CrashPoint::ParticipantBeforePrepareForce,
-        CrashPoint::ParticipantPrepared,
-        CrashPoint::CoordinatorBeforeCommitForce,
-        CrashPoint::CoordinatorAfterCommitForce,
-        CrashPoint::CoordinatorDecisionSent,
-        CrashPoint::ParticipantPhaseTwo,
-        CrashPoint::ParticipantAfterCall,
-        CrashPoint::Checkpoint,
-    ];
+    /// Every point, for coverage reports: the protocol's, then the simulator's.
+    pub const ALL: [CrashPoint; 8] = {
+        let tm = weft_tx::node::CrashPoint::ALL;
+        [
+            CrashPoint::Protocol(tm[0]),
+            CrashPoint::Protocol(tm[1]),
+            CrashPoint::Protocol(tm[2]),
+            CrashPoint::Protocol(tm[3]),
+            CrashPoint::Protocol(tm[4]),
+            CrashPoint::Protocol(tm[5]),
+            CrashPoint::ParticipantAfterCall,
+            CrashPoint::Checkpoint,
+        ]
+    };
 
     /// The point's name (the node core's names for the commit protocol's points).
     pub fn name(self) -> &'static str {
         match self {
-            CrashPoint::ParticipantBeforePrepareForce => "participant-before-prepare-force",
-            CrashPoint::CoordinatorDecisionSent => "coordinator-decision-sent",
-            CrashPoint::ParticipantPrepared => "participant-prepared",
-            CrashPoint::CoordinatorBeforeCommitForce => "coordinator-before-commit-force",
-            CrashPoint::CoordinatorAfterCommitForce => "coordinator-after-commit-force",
-            CrashPoint::ParticipantPhaseTwo => "participant-phase-two",
+            CrashPoint::Protocol(p) => p.name(),
             CrashPoint::ParticipantAfterCall => "participant-after-call",
             CrashPoint::Checkpoint => "checkpoint",
         }
@@ -59,15 +47,7 @@ impl CrashPoint {
 
 impl From<weft_tx::node::CrashPoint> for CrashPoint {
     fn from(p: weft_tx::node::CrashPoint) -> Self {
-        use weft_tx::node::CrashPoint as Tm;
-        match p {
-            Tm::ParticipantBeforePrepareForce => CrashPoint::ParticipantBeforePrepareForce,
-            Tm::ParticipantPrepared => CrashPoint::ParticipantPrepared,
-            Tm::CoordinatorBeforeCommitForce => CrashPoint::CoordinatorBeforeCommitForce,
-            Tm::CoordinatorAfterCommitForce => CrashPoint::CoordinatorAfterCommitForce,
-            Tm::CoordinatorDecisionSent => CrashPoint::CoordinatorDecisionSent,
-            Tm::ParticipantPhaseTwo => CrashPoint::ParticipantPhaseTwo,
-        }
+        CrashPoint::Protocol(p)
     }
 }
 
