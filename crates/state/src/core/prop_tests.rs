@@ -80,7 +80,7 @@ fn unit(kind: PrimKind, seed: u64) -> Unit {
         PrimKind::F64 => Unit::F64(f64::from_bits(seed)),
         PrimKind::Str => Unit::Str("s".repeat((seed % 7) as usize)),
         PrimKind::Mip => {
-            if seed % 3 == 0 {
+            if seed.is_multiple_of(3) {
                 Unit::Null
             } else {
                 Unit::Mip(
