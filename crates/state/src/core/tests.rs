@@ -401,3 +401,21 @@ fn twins_copy_only_touched_chunks() {
     let mut stale = Twins::default();
     assert!(Writer::new(&mut seg, &mut stale).is_err());
 }
+
+#[test]
+fn the_wire_example_of_docs_state_md_holds() {
+    let d = Diff {
+        base: 1,
+        target: 2,
+        deps: BTreeMap::new(),
+        next_serial: 0,
+        ops: vec![DiffOp::Write {
+            serial: 3,
+            start: 5,
+            units: vec![Unit::I32(-2)],
+        }],
+    };
+    let bytes = encode_diff(&d);
+    assert_eq!(bytes, [1, 2, 0, 0, 0, 1, 2, 3, 5, 1, 3, 3]);
+    assert_eq!(decode_diff(&bytes, 64).unwrap(), d);
+}
