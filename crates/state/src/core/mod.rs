@@ -9,6 +9,7 @@
 pub mod codec;
 pub mod coherence;
 pub mod error;
+pub mod home;
 pub mod mip;
 pub mod record;
 pub mod segment;

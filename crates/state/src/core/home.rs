@@ -1,0 +1,361 @@
+//! The home node's decisions for one segment: the master copy, its recent
+//! history, reader/writer locks held by transactions, and each writing
+//! transaction's uncommitted diffs.
+//!
+//! Owns: granting locks (strict two-phase: held until the transaction ends),
+//! checking a submitted diff against the transaction's tentative copy (so a
+//! malformed or mismatched diff is refused and the master is untouched),
+//! applying a transaction's diffs to the master only at commit, and choosing
+//! what a stale reader receives (the chained diffs since its version, or the
+//! whole segment when that is smaller). Must never wait, read a clock, do I/O
+//! or let an uncommitted diff reach the master.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use weft_wire::ids::Tid;
+
+use super::error::StateError;
+use super::segment::{Diff, Segment, SegmentImage};
+use super::tmt::LockMode;
+
+/// Bounds on a home segment's bookkeeping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HomeLimits {
+    /// Committed diffs kept to refresh stale readers.
+    pub history: usize,
+    /// Uncommitted diffs one transaction may submit to one segment.
+    pub max_pending: usize,
+    /// Transactions holding or sharing one segment's lock.
+    pub max_holders: usize,
+}
+
+impl Default for HomeLimits {
+    fn default() -> Self {
+        HomeLimits { history: 64, max_pending: 256, max_holders: 1024 }
+    }
+}
+
+/// What a reader receives to bring its copy to the master's version.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refresh {
+    /// Its copy is the master's version.
+    Current,
+    /// The chained diffs since its version.
+    Diff(Diff),
+    /// The whole segment (no copy, history too short, or the diff is larger).
+    Image(SegmentImage),
+}
+
+/// A transaction's uncommitted work on the segment.
+#[derive(Clone, Debug)]
+struct Tentative {
+    seg: Segment,
+    diffs: Vec<Diff>,
+}
+
+/// The home's state for one segment.
+#[derive(Clone, Debug)]
+pub struct HomeSegment {
+    master: Segment,
+    history: VecDeque<Diff>,
+    readers: BTreeSet<Tid>,
+    writer: Option<Tid>,
+    pending: BTreeMap<Tid, Tentative>,
+    limits: HomeLimits,
+}
+
+impl HomeSegment {
+    /// A home segment around `master`.
+    pub fn new(master: Segment, limits: HomeLimits) -> Self {
+        HomeSegment {
+            master,
+            history: VecDeque::new(),
+            readers: BTreeSet::new(),
+            writer: None,
+            pending: BTreeMap::new(),
+            limits,
+        }
+    }
+
+    /// The committed master copy.
+    pub fn master(&self) -> &Segment {
+        &self.master
+    }
+
+    /// Transactions holding a lock (readers and the writer).
+    pub fn holders(&self) -> usize {
+        self.readers.len() + usize::from(self.writer.is_some())
+    }
+
+    /// Tries to grant `mode` to `tid` now. `Ok(true)`: granted (or already
+    /// held); `Ok(false)`: held incompatibly by another transaction (the
+    /// shell waits, within its bound, and retries). Fails with
+    /// [`StateError::LimitExceeded`] past [`HomeLimits::max_holders`].
+    pub fn try_lock(&mut self, tid: Tid, mode: LockMode) -> Result<bool, StateError> {
+        match mode {
+            LockMode::Read => {
+                if self.writer.is_some_and(|w| w != tid) {
+                    return Ok(false);
+                }
+                if self.writer != Some(tid) && !self.readers.contains(&tid) {
+                    if self.holders() >= self.limits.max_holders {
+                        return Err(StateError::LimitExceeded("segment lock holders".into()));
+                    }
+                    self.readers.insert(tid);
+                }
+                Ok(true)
+            }
+            LockMode::Write => {
+                if self.writer == Some(tid) {
+                    return Ok(true);
+                }
+                if self.writer.is_some() || self.readers.iter().any(|r| *r != tid) {
+                    return Ok(false);
+                }
+                self.readers.remove(&tid);
+                self.writer = Some(tid);
+                Ok(true)
+            }
+        }
+    }
+
+    /// The lock `tid` holds, if any.
+    pub fn held(&self, tid: Tid) -> Option<LockMode> {
+        if self.writer == Some(tid) {
+            Some(LockMode::Write)
+        } else if self.readers.contains(&tid) {
+            Some(LockMode::Read)
+        } else {
+            None
+        }
+    }
+
+    /// What a reader at version `have` (none: no copy) needs.
+    pub fn refresh(&self, have: Option<u64>) -> Refresh {
+        let v = self.master.version();
+        match have {
+            Some(h) if h == v => Refresh::Current,
+            Some(h) if h < v => match self.chain_since(h) {
+                Some(d) if d.units() < self.master.units() => Refresh::Diff(d),
+                _ => Refresh::Image(self.master.image()),
+            },
+            _ => Refresh::Image(self.master.image()),
+        }
+    }
+
+    fn chain_since(&self, have: u64) -> Option<Diff> {
+        let first = self.history.iter().position(|d| d.base == have)?;
+        let mut it = self.history.iter().skip(first);
+        let mut out = it.next()?.clone();
+        for d in it {
+            out.chain(d).ok()?;
+        }
+        Some(out)
+    }
+
+    /// The version `tid` would see: its tentative copy's, or the master's.
+    pub fn tentative_version(&self, tid: Tid) -> u64 {
+        self.pending.get(&tid).map_or(self.master.version(), |t| t.seg.version())
+    }
+
+    /// Accepts a diff written by `tid` under its write lock, checked against
+    /// `tid`'s tentative copy; the master is untouched. Fails with
+    /// [`StateError::TxLockClash`] without the write lock, the
+    /// [`Segment::apply`] statuses for a bad diff, or
+    /// [`StateError::LimitExceeded`] past [`HomeLimits::max_pending`].
+    pub fn submit(&mut self, tid: Tid, diff: Diff) -> Result<u64, StateError> {
+        if self.writer != Some(tid) {
+            return Err(StateError::TxLockClash(format!(
+                "{} (a diff needs the write lock)",
+                self.master.url()
+            )));
+        }
+        let master = &self.master;
+        let t = self
+            .pending
+            .entry(tid)
+            .or_insert_with(|| Tentative { seg: master.clone(), diffs: Vec::new() });
+        if t.diffs.len() >= self.limits.max_pending {
+            return Err(StateError::LimitExceeded("uncommitted diffs per segment".into()));
+        }
+        t.seg.apply(&diff)?;
+        t.diffs.push(diff);
+        Ok(t.seg.version())
+    }
+
+    /// `tid`'s uncommitted diffs after version `have`, chained (what a callee
+    /// in the same transaction lacks). `None` when it has none past `have`.
+    pub fn pending_since(&self, tid: Tid, have: u64) -> Option<Diff> {
+        let t = self.pending.get(&tid)?;
+        let mut out: Option<Diff> = None;
+        for d in t.diffs.iter().filter(|d| d.base >= have) {
+            match &mut out {
+                None => out = Some(d.clone()),
+                Some(o) => o.chain(d).ok()?,
+            }
+        }
+        out
+    }
+
+    /// `tid`'s uncommitted diffs, in order (what prepare logs).
+    pub fn prepared(&self, tid: Tid) -> &[Diff] {
+        self.pending.get(&tid).map_or(&[], |t| &t.diffs)
+    }
+
+    /// Restores, at recovery, an in-doubt transaction's diffs and write lock.
+    pub fn restore_in_doubt(&mut self, tid: Tid, diffs: Vec<Diff>) -> Result<(), StateError> {
+        if !self.try_lock(tid, LockMode::Write)? {
+            return Err(StateError::TxLockClash(self.master.url().to_string()));
+        }
+        for d in diffs {
+            self.submit(tid, d)?;
+        }
+        Ok(())
+    }
+
+    /// Releases `tid`'s locks without changing anything (a read-only branch).
+    pub fn release(&mut self, tid: Tid) {
+        self.readers.remove(&tid);
+        if self.writer == Some(tid) {
+            self.writer = None;
+        }
+    }
+
+    /// Commits `tid`: its diffs reach the master (and the history), its locks
+    /// are released. Returns the units changed.
+    pub fn commit(&mut self, tid: Tid) -> u64 {
+        let mut changed = 0;
+        if let Some(t) = self.pending.remove(&tid) {
+            for d in t.diffs {
+                match self.master.apply(&d) {
+                    Ok(()) => {
+                        changed += d.units();
+                        self.history.push_back(d);
+                        while self.history.len() > self.limits.history {
+                            self.history.pop_front();
+                        }
+                    }
+                    Err(e) => debug_assert!(false, "a checked diff failed at commit: {e}"),
+                }
+            }
+        }
+        self.release(tid);
+        changed
+    }
+
+    /// Aborts `tid`: its diffs vanish, its locks are released.
+    pub fn abort(&mut self, tid: Tid) {
+        self.pending.remove(&tid);
+        self.release(tid);
+    }
+
+    /// Redoes a committed diff found in the log at recovery (skipped when the
+    /// master, restored from a checkpoint, already holds it).
+    pub fn redo(&mut self, d: &Diff) -> Result<(), StateError> {
+        if d.target <= self.master.version() {
+            return Ok(());
+        }
+        self.master.apply(d)?;
+        self.history.push_back(d.clone());
+        while self.history.len() > self.limits.history {
+            self.history.pop_front();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::mip::{BlockRef, SegUrl};
+    use crate::core::segment::SegLimits;
+    use crate::core::twin::{collect, Twins, Writer};
+    use weft_wire::ids::NodeId;
+
+    fn tid(n: u64) -> Tid {
+        Tid::new(NodeId(1), weft_wire::ids::Incarnation(1), n)
+    }
+
+    fn home() -> HomeSegment {
+        let mut s = Segment::new(SegUrl { node: "1".into(), path: "h".into() }, SegLimits::default());
+        let mut tw = Twins::new(&s);
+        Writer::new(&mut s, &mut tw).unwrap().alloc(Some("a"), &[0u32; 100]).unwrap();
+        collect(&mut s, tw);
+        HomeSegment::new(s, HomeLimits { history: 3, ..HomeLimits::default() })
+    }
+
+    fn edit(copy: &mut Segment, at: u64, v: u32) -> Diff {
+        let mut tw = Twins::new(copy);
+        Writer::new(copy, &mut tw).unwrap().write_at(&BlockRef::Name("a".into()), at, &v).unwrap();
+        collect(copy, tw)
+    }
+
+    #[test]
+    fn locks_are_reader_writer_and_held_to_the_end() {
+        let mut h = home();
+        assert!(h.try_lock(tid(1), LockMode::Read).unwrap());
+        assert!(h.try_lock(tid(2), LockMode::Read).unwrap());
+        assert!(!h.try_lock(tid(1), LockMode::Write).unwrap(), "upgrade waits for the other reader");
+        h.release(tid(2));
+        assert!(h.try_lock(tid(1), LockMode::Write).unwrap());
+        assert!(!h.try_lock(tid(2), LockMode::Read).unwrap());
+        assert_eq!(h.held(tid(1)), Some(LockMode::Write));
+        h.abort(tid(1));
+        assert!(h.try_lock(tid(2), LockMode::Write).unwrap());
+    }
+
+    #[test]
+    fn diffs_reach_the_master_only_at_commit() {
+        let mut h = home();
+        let mut copy = h.master().clone();
+        assert!(h.try_lock(tid(1), LockMode::Write).unwrap());
+        let d1 = edit(&mut copy, 3, 7);
+        let d2 = edit(&mut copy, 4, 8);
+        assert_eq!(h.submit(tid(1), d1.clone()).unwrap(), 2);
+        assert_eq!(h.submit(tid(1), d2).unwrap(), 3);
+        assert_eq!(h.master().version(), 1, "uncommitted");
+        assert_eq!(h.refresh(Some(1)), Refresh::Current);
+        // A callee of the same transaction at version 2 lacks only d2.
+        let lack = h.pending_since(tid(1), 2).unwrap();
+        assert_eq!((lack.base, lack.target), (2, 3));
+        assert_eq!(h.commit(tid(1)), 2);
+        assert_eq!(h.master(), &copy);
+        match h.refresh(Some(1)) {
+            Refresh::Diff(d) => assert_eq!((d.base, d.target, d.units()), (1, 3, 2)),
+            r => panic!("{r:?}"),
+        }
+        assert!(matches!(h.refresh(None), Refresh::Image(_)));
+    }
+
+    #[test]
+    fn bad_or_unlocked_diffs_are_refused_and_aborts_vanish() {
+        let mut h = home();
+        let before = h.master().clone();
+        let mut copy = before.clone();
+        let d = edit(&mut copy, 1, 1);
+        assert!(matches!(h.submit(tid(1), d.clone()), Err(StateError::TxLockClash(_))));
+        assert!(h.try_lock(tid(1), LockMode::Write).unwrap());
+        let mut stale = d.clone();
+        stale.base = 0;
+        assert!(matches!(h.submit(tid(1), stale), Err(StateError::VersionMismatch { .. })));
+        h.submit(tid(1), d).unwrap();
+        h.abort(tid(1));
+        assert_eq!(h.master(), &before);
+        assert_eq!(h.tentative_version(tid(1)), 1);
+    }
+
+    #[test]
+    fn a_reader_older_than_the_history_gets_the_image() {
+        let mut h = home();
+        let mut copy = h.master().clone();
+        for i in 0..5u32 {
+            assert!(h.try_lock(tid(10 + u64::from(i)), LockMode::Write).unwrap());
+            let d = edit(&mut copy, u64::from(i), i + 1);
+            h.submit(tid(10 + u64::from(i)), d).unwrap();
+            h.commit(tid(10 + u64::from(i)));
+        }
+        assert_eq!(h.master().version(), 6);
+        assert!(matches!(h.refresh(Some(1)), Refresh::Image(_)), "history keeps 3");
+        assert!(matches!(h.refresh(Some(3)), Refresh::Diff(_)));
+    }
+}
