@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use weft_wire::ids::Tid;
+use weft_wire::ids::{SubPath, Tid};
 
 use super::error::StateError;
 use super::segment::{Diff, Segment, SegmentImage};
@@ -50,7 +50,8 @@ pub enum Refresh {
 #[derive(Clone, Debug)]
 struct Tentative {
     seg: Segment,
-    diffs: Vec<Diff>,
+    /// Each diff with the (sub-)transaction that wrote it.
+    diffs: Vec<(SubPath, Diff)>,
 }
 
 /// The home's state for one segment.
@@ -163,7 +164,7 @@ impl HomeSegment {
     /// [`StateError::TxLockClash`] without the write lock, the
     /// [`Segment::apply`] statuses for a bad diff, or
     /// [`StateError::LimitExceeded`] past [`HomeLimits::max_pending`].
-    pub fn submit(&mut self, tid: Tid, diff: Diff) -> Result<u64, StateError> {
+    pub fn submit(&mut self, tid: Tid, path: SubPath, diff: Diff) -> Result<u64, StateError> {
         if self.writer != Some(tid) {
             return Err(StateError::TxLockClash(format!(
                 "{} (a diff needs the write lock)",
@@ -179,8 +180,30 @@ impl HomeSegment {
             return Err(StateError::LimitExceeded("uncommitted diffs per segment".into()));
         }
         t.seg.apply(&diff)?;
-        t.diffs.push(diff);
+        t.diffs.push((path, diff));
         Ok(t.seg.version())
+    }
+
+    /// A sub-transaction of `tid` aborted: the diffs it (or its descendants)
+    /// wrote vanish, with everything written after them inside it, while the
+    /// parent's earlier diffs stay. (A parent is suspended while its
+    /// sub-transaction runs, so the sub's diffs are the tail.)
+    pub fn sub_aborted(&mut self, tid: Tid, path: &SubPath) {
+        let Some(t) = self.pending.get_mut(&tid) else { return };
+        let Some(cut) = t.diffs.iter().position(|(p, _)| path.is_ancestor_or_self(p)) else {
+            return;
+        };
+        t.diffs.truncate(cut);
+        let mut seg = self.master.clone();
+        for (_, d) in &t.diffs {
+            if seg.apply(d).is_err() {
+                debug_assert!(false, "a prefix of checked diffs failed to replay");
+            }
+        }
+        t.seg = seg;
+        if t.diffs.is_empty() {
+            self.pending.remove(&tid);
+        }
     }
 
     /// `tid`'s uncommitted diffs after version `have`, chained (what a callee
@@ -188,7 +211,7 @@ impl HomeSegment {
     pub fn pending_since(&self, tid: Tid, have: u64) -> Option<Diff> {
         let t = self.pending.get(&tid)?;
         let mut out: Option<Diff> = None;
-        for d in t.diffs.iter().filter(|d| d.base >= have) {
+        for (_, d) in t.diffs.iter().filter(|(_, d)| d.base >= have) {
             match &mut out {
                 None => out = Some(d.clone()),
                 Some(o) => o.chain(d).ok()?,
@@ -198,8 +221,11 @@ impl HomeSegment {
     }
 
     /// `tid`'s uncommitted diffs, in order (what prepare logs).
-    pub fn prepared(&self, tid: Tid) -> &[Diff] {
-        self.pending.get(&tid).map_or(&[], |t| &t.diffs)
+    pub fn prepared(&self, tid: Tid) -> Vec<Diff> {
+        self.pending
+            .get(&tid)
+            .map(|t| t.diffs.iter().map(|(_, d)| d.clone()).collect())
+            .unwrap_or_default()
     }
 
     /// Restores, at recovery, an in-doubt transaction's diffs and write lock.
@@ -208,7 +234,7 @@ impl HomeSegment {
             return Err(StateError::TxLockClash(self.master.url().to_string()));
         }
         for d in diffs {
-            self.submit(tid, d)?;
+            self.submit(tid, SubPath::top(), d)?;
         }
         Ok(())
     }
@@ -226,7 +252,7 @@ impl HomeSegment {
     pub fn commit(&mut self, tid: Tid) -> u64 {
         let mut changed = 0;
         if let Some(t) = self.pending.remove(&tid) {
-            for d in t.diffs {
+            for (_, d) in t.diffs {
                 match self.master.apply(&d) {
                     Ok(()) => {
                         changed += d.units();
@@ -311,8 +337,8 @@ mod tests {
         assert!(h.try_lock(tid(1), LockMode::Write).unwrap());
         let d1 = edit(&mut copy, 3, 7);
         let d2 = edit(&mut copy, 4, 8);
-        assert_eq!(h.submit(tid(1), d1.clone()).unwrap(), 2);
-        assert_eq!(h.submit(tid(1), d2).unwrap(), 3);
+        assert_eq!(h.submit(tid(1), SubPath::top(), d1.clone()).unwrap(), 2);
+        assert_eq!(h.submit(tid(1), SubPath::top(), d2).unwrap(), 3);
         assert_eq!(h.master().version(), 1, "uncommitted");
         assert_eq!(h.refresh(Some(1)), Refresh::Current);
         // A callee of the same transaction at version 2 lacks only d2.
@@ -333,15 +359,33 @@ mod tests {
         let before = h.master().clone();
         let mut copy = before.clone();
         let d = edit(&mut copy, 1, 1);
-        assert!(matches!(h.submit(tid(1), d.clone()), Err(StateError::TxLockClash(_))));
+        assert!(matches!(h.submit(tid(1), SubPath::top(), d.clone()), Err(StateError::TxLockClash(_))));
         assert!(h.try_lock(tid(1), LockMode::Write).unwrap());
         let mut stale = d.clone();
         stale.base = 0;
-        assert!(matches!(h.submit(tid(1), stale), Err(StateError::VersionMismatch { .. })));
-        h.submit(tid(1), d).unwrap();
+        assert!(matches!(h.submit(tid(1), SubPath::top(), stale), Err(StateError::VersionMismatch { .. })));
+        h.submit(tid(1), SubPath::top(), d).unwrap();
         h.abort(tid(1));
         assert_eq!(h.master(), &before);
         assert_eq!(h.tentative_version(tid(1)), 1);
+    }
+
+    #[test]
+    fn an_aborted_sub_transactions_diffs_vanish_while_the_parents_stay() {
+        let mut h = home();
+        let mut copy = h.master().clone();
+        assert!(h.try_lock(tid(1), LockMode::Write).unwrap());
+        let parent = edit(&mut copy, 1, 11);
+        let keep = copy.clone();
+        h.submit(tid(1), SubPath::top(), parent).unwrap();
+        let sub = SubPath::top().child(1);
+        h.submit(tid(1), sub.clone(), edit(&mut copy, 2, 22)).unwrap();
+        h.submit(tid(1), sub.child(1), edit(&mut copy, 3, 33)).unwrap();
+        assert_eq!(h.tentative_version(tid(1)), 4);
+        h.sub_aborted(tid(1), &sub);
+        assert_eq!(h.tentative_version(tid(1)), 2);
+        h.commit(tid(1));
+        assert_eq!(h.master(), &keep);
     }
 
     #[test]
@@ -351,7 +395,7 @@ mod tests {
         for i in 0..5u32 {
             assert!(h.try_lock(tid(10 + u64::from(i)), LockMode::Write).unwrap());
             let d = edit(&mut copy, u64::from(i), i + 1);
-            h.submit(tid(10 + u64::from(i)), d).unwrap();
+            h.submit(tid(10 + u64::from(i)), SubPath::top(), d).unwrap();
             h.commit(tid(10 + u64::from(i)));
         }
         assert_eq!(h.master().version(), 6);
