@@ -20,3 +20,8 @@ pub use crate::core::segment::{
 pub use crate::core::tmt::{LockCase, LockMode, Tmt, TmtEntry};
 pub use crate::core::twin::{collect, Twins, Writer};
 pub use crate::core::types::{Field, PrimKind, TypeDesc, TypeLimits, Unit};
+pub mod client;
+pub mod service;
+
+pub use client::StateClient;
+pub use service::{HomeConfig, StateHome, SERVICE};

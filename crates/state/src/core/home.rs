@@ -31,7 +31,11 @@ pub struct HomeLimits {
 
 impl Default for HomeLimits {
     fn default() -> Self {
-        HomeLimits { history: 64, max_pending: 256, max_holders: 1024 }
+        HomeLimits {
+            history: 64,
+            max_pending: 256,
+            max_holders: 1024,
+        }
     }
 }
 
@@ -156,7 +160,9 @@ impl HomeSegment {
 
     /// The version `tid` would see: its tentative copy's, or the master's.
     pub fn tentative_version(&self, tid: Tid) -> u64 {
-        self.pending.get(&tid).map_or(self.master.version(), |t| t.seg.version())
+        self.pending
+            .get(&tid)
+            .map_or(self.master.version(), |t| t.seg.version())
     }
 
     /// Accepts a diff written by `tid` under its write lock, checked against
@@ -172,12 +178,14 @@ impl HomeSegment {
             )));
         }
         let master = &self.master;
-        let t = self
-            .pending
-            .entry(tid)
-            .or_insert_with(|| Tentative { seg: master.clone(), diffs: Vec::new() });
+        let t = self.pending.entry(tid).or_insert_with(|| Tentative {
+            seg: master.clone(),
+            diffs: Vec::new(),
+        });
         if t.diffs.len() >= self.limits.max_pending {
-            return Err(StateError::LimitExceeded("uncommitted diffs per segment".into()));
+            return Err(StateError::LimitExceeded(
+                "uncommitted diffs per segment".into(),
+            ));
         }
         t.seg.apply(&diff)?;
         t.diffs.push((path, diff));
@@ -189,8 +197,14 @@ impl HomeSegment {
     /// parent's earlier diffs stay. (A parent is suspended while its
     /// sub-transaction runs, so the sub's diffs are the tail.)
     pub fn sub_aborted(&mut self, tid: Tid, path: &SubPath) {
-        let Some(t) = self.pending.get_mut(&tid) else { return };
-        let Some(cut) = t.diffs.iter().position(|(p, _)| path.is_ancestor_or_self(p)) else {
+        let Some(t) = self.pending.get_mut(&tid) else {
+            return;
+        };
+        let Some(cut) = t
+            .diffs
+            .iter()
+            .position(|(p, _)| path.is_ancestor_or_self(p))
+        else {
             return;
         };
         t.diffs.truncate(cut);
@@ -303,16 +317,34 @@ mod tests {
     }
 
     fn home() -> HomeSegment {
-        let mut s = Segment::new(SegUrl { node: "1".into(), path: "h".into() }, SegLimits::default());
+        let mut s = Segment::new(
+            SegUrl {
+                node: "1".into(),
+                path: "h".into(),
+            },
+            SegLimits::default(),
+        );
         let mut tw = Twins::new(&s);
-        Writer::new(&mut s, &mut tw).unwrap().alloc(Some("a"), &[0u32; 100]).unwrap();
+        Writer::new(&mut s, &mut tw)
+            .unwrap()
+            .alloc(Some("a"), &[0u32; 100])
+            .unwrap();
         collect(&mut s, tw);
-        HomeSegment::new(s, HomeLimits { history: 3, ..HomeLimits::default() })
+        HomeSegment::new(
+            s,
+            HomeLimits {
+                history: 3,
+                ..HomeLimits::default()
+            },
+        )
     }
 
     fn edit(copy: &mut Segment, at: u64, v: u32) -> Diff {
         let mut tw = Twins::new(copy);
-        Writer::new(copy, &mut tw).unwrap().write_at(&BlockRef::Name("a".into()), at, &v).unwrap();
+        Writer::new(copy, &mut tw)
+            .unwrap()
+            .write_at(&BlockRef::Name("a".into()), at, &v)
+            .unwrap();
         collect(copy, tw)
     }
 
@@ -321,7 +353,10 @@ mod tests {
         let mut h = home();
         assert!(h.try_lock(tid(1), LockMode::Read).unwrap());
         assert!(h.try_lock(tid(2), LockMode::Read).unwrap());
-        assert!(!h.try_lock(tid(1), LockMode::Write).unwrap(), "upgrade waits for the other reader");
+        assert!(
+            !h.try_lock(tid(1), LockMode::Write).unwrap(),
+            "upgrade waits for the other reader"
+        );
         h.release(tid(2));
         assert!(h.try_lock(tid(1), LockMode::Write).unwrap());
         assert!(!h.try_lock(tid(2), LockMode::Read).unwrap());
@@ -359,11 +394,17 @@ mod tests {
         let before = h.master().clone();
         let mut copy = before.clone();
         let d = edit(&mut copy, 1, 1);
-        assert!(matches!(h.submit(tid(1), SubPath::top(), d.clone()), Err(StateError::TxLockClash(_))));
+        assert!(matches!(
+            h.submit(tid(1), SubPath::top(), d.clone()),
+            Err(StateError::TxLockClash(_))
+        ));
         assert!(h.try_lock(tid(1), LockMode::Write).unwrap());
         let mut stale = d.clone();
         stale.base = 0;
-        assert!(matches!(h.submit(tid(1), SubPath::top(), stale), Err(StateError::VersionMismatch { .. })));
+        assert!(matches!(
+            h.submit(tid(1), SubPath::top(), stale),
+            Err(StateError::VersionMismatch { .. })
+        ));
         h.submit(tid(1), SubPath::top(), d).unwrap();
         h.abort(tid(1));
         assert_eq!(h.master(), &before);
@@ -379,8 +420,10 @@ mod tests {
         let keep = copy.clone();
         h.submit(tid(1), SubPath::top(), parent).unwrap();
         let sub = SubPath::top().child(1);
-        h.submit(tid(1), sub.clone(), edit(&mut copy, 2, 22)).unwrap();
-        h.submit(tid(1), sub.child(1), edit(&mut copy, 3, 33)).unwrap();
+        h.submit(tid(1), sub.clone(), edit(&mut copy, 2, 22))
+            .unwrap();
+        h.submit(tid(1), sub.child(1), edit(&mut copy, 3, 33))
+            .unwrap();
         assert_eq!(h.tentative_version(tid(1)), 4);
         h.sub_aborted(tid(1), &sub);
         assert_eq!(h.tentative_version(tid(1)), 2);
@@ -399,7 +442,10 @@ mod tests {
             h.commit(tid(10 + u64::from(i)));
         }
         assert_eq!(h.master().version(), 6);
-        assert!(matches!(h.refresh(Some(1)), Refresh::Image(_)), "history keeps 3");
+        assert!(
+            matches!(h.refresh(Some(1)), Refresh::Image(_)),
+            "history keeps 3"
+        );
         assert!(matches!(h.refresh(Some(3)), Refresh::Diff(_)));
     }
 }

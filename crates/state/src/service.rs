@@ -1,0 +1,761 @@
+//! The home node: serves its segments as the weft service `state` and takes
+//! part in transactions as a two-phase resource.
+//!
+//! Owns the async shell around [`crate::core::home::HomeSegment`]: the
+//! service's requests (open/create with an access secret, lock, fetch,
+//! submit, pending), bounded lock waits (LockConflict at the bound, never a
+//! wait forever), prepare (appends the transaction's diffs to the node's log;
+//! the transaction manager forces it), commit (applies them to the master),
+//! abort and sub-transaction abort, checkpoints of every segment to files,
+//! and recovery (checkpoint images, then committed diffs from the log).
+//! Must never hold its mutex across an `.await`, apply an uncommitted diff to
+//! a master, or let a peer's bad diff touch one.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::Notify;
+use weft_log::{Log, LogRecord, Lsn, RecordTag};
+use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
+use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
+use weft_wire::ids::{SubPath, Tid};
+use weft_wire::status::{Failure, Status};
+
+use crate::core::codec::{self, FrameKind};
+use crate::core::error::StateError;
+use crate::core::home::{HomeLimits, HomeSegment, Refresh};
+use crate::core::mip::SegUrl;
+use crate::core::segment::{SegLimits, Segment};
+use crate::core::tmt::LockMode;
+
+/// The service name.
+pub const SERVICE: &str = "state";
+/// The log record tag of the shared-state layer.
+pub const STATE_RECORD_TAG: RecordTag = RecordTag(0x0A00);
+
+/// A request to a home node.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum HomeRequest {
+    /// Opens a segment, creating it when `create` and absent.
+    Open {
+        /// The segment's path.
+        path: String,
+        /// Its access secret.
+        secret: Vec<u8>,
+        /// Create when absent.
+        create: bool,
+    },
+    /// Locks a segment in the caller's transaction and refreshes the caller
+    /// from version `have` (none: no copy) to the transaction's version.
+    Lock {
+        /// The segment's path.
+        path: String,
+        /// Its access secret.
+        secret: Vec<u8>,
+        /// Read or write.
+        mode: LockMode,
+        /// The caller's cached version.
+        have: Option<u64>,
+    },
+    /// Refreshes from `have` to the master's committed version (no lock).
+    Fetch {
+        /// The segment's path.
+        path: String,
+        /// Its access secret.
+        secret: Vec<u8>,
+        /// The caller's cached version.
+        have: Option<u64>,
+    },
+    /// Submits a diff (wire form) written under the transaction's write lock.
+    Submit {
+        /// The segment's path.
+        path: String,
+        /// The diff.
+        diff: Vec<u8>,
+    },
+    /// Lists the segments.
+    List,
+}
+
+/// How a reply brings a copy up to date.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum WireRefresh {
+    /// Nothing to do.
+    Current,
+    /// Apply this diff (wire form).
+    Diff(Vec<u8>),
+    /// Replace by this image (wire form).
+    Image(Vec<u8>),
+}
+
+/// One segment in a listing.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// Its URL.
+    pub url: String,
+    /// Committed version.
+    pub version: u64,
+    /// Live blocks.
+    pub blocks: u64,
+    /// Units.
+    pub units: u64,
+    /// Transactions holding a lock.
+    pub holders: u64,
+}
+
+/// A reply from a home node.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum HomeReply {
+    /// Opened: the committed version.
+    Opened {
+        /// Committed version.
+        version: u64,
+    },
+    /// A refresh to `version`; for a lock, `tentative` brings it on to the
+    /// transaction's uncommitted version.
+    Refresh {
+        /// Master version.
+        version: u64,
+        /// How to reach it.
+        refresh: WireRefresh,
+        /// The transaction's uncommitted diffs past the master (locks only).
+        tentative: Option<Vec<u8>>,
+        /// The version the transaction sees.
+        tx_version: u64,
+    },
+    /// The diff was accepted; the transaction's version.
+    Submitted {
+        /// The transaction's version.
+        version: u64,
+    },
+    /// The segments.
+    List(Vec<SegmentInfo>),
+}
+
+/// The home's configuration.
+#[derive(Clone, Debug)]
+pub struct HomeConfig {
+    /// How long a lock request waits for a conflicting holder.
+    pub lock_wait: Duration,
+    /// Limits on each segment.
+    pub limits: SegLimits,
+    /// Limits on each segment's bookkeeping.
+    pub home: HomeLimits,
+    /// Most segments on this node.
+    pub max_segments: usize,
+    /// Longest diff or image accepted, in bytes.
+    pub max_bytes: usize,
+    /// Where checkpoints go (default: `state/` beside the log directory).
+    pub dir: Option<PathBuf>,
+}
+
+impl Default for HomeConfig {
+    fn default() -> Self {
+        HomeConfig {
+            lock_wait: Duration::from_millis(500),
+            limits: SegLimits::default(),
+            home: HomeLimits::default(),
+            max_segments: 4096,
+            max_bytes: 64 << 20,
+            dir: None,
+        }
+    }
+}
+
+struct Entry {
+    secret: [u8; 32],
+    core: HomeSegment,
+}
+
+#[derive(Serialize, Deserialize)]
+enum StateRecord {
+    Created {
+        path: String,
+        secret: [u8; 32],
+    },
+    Prepared {
+        tid: Tid,
+        segs: Vec<(String, Vec<Vec<u8>>)>,
+    },
+}
+
+#[derive(Serialize, Deserialize)]
+struct CheckpointFile {
+    path: String,
+    secret: [u8; 32],
+    image: Vec<u8>,
+}
+
+struct Inner {
+    cfg: HomeConfig,
+    segs: Mutex<BTreeMap<String, Entry>>,
+    /// Prepared, undecided transactions and their prepare records.
+    prepared: Mutex<BTreeMap<Tid, Lsn>>,
+    released: Notify,
+    node: OnceLock<String>,
+    log: OnceLock<Log>,
+    dir: OnceLock<PathBuf>,
+}
+
+/// The shared-state home of one node: a [`Plugin`] to add with
+/// `NodeBuilder::plugin`.
+#[derive(Clone)]
+pub struct StateHome(Arc<Inner>);
+
+struct HomeResource(Arc<Inner>);
+
+fn fail(e: StateError) -> Failure {
+    Failure::new(e.status(), e.to_string())
+}
+
+fn hash(secret: &[u8]) -> [u8; 32] {
+    Sha256::digest(secret).into()
+}
+
+impl StateHome {
+    /// A home with `cfg`.
+    pub fn new(cfg: HomeConfig) -> Self {
+        StateHome(Arc::new(Inner {
+            cfg,
+            segs: Mutex::new(BTreeMap::new()),
+            prepared: Mutex::new(BTreeMap::new()),
+            released: Notify::new(),
+            node: OnceLock::new(),
+            log: OnceLock::new(),
+            dir: OnceLock::new(),
+        }))
+    }
+
+    /// The committed master copy of `path`, if any (a clone).
+    pub fn master(&self, path: &str) -> Option<Segment> {
+        self.0
+            .segs
+            .lock()
+            .get(path)
+            .map(|e| e.core.master().clone())
+    }
+
+    /// The segments of this home.
+    pub fn list(&self) -> Vec<SegmentInfo> {
+        self.0.list()
+    }
+
+    /// The version transaction `tid` sees of `path` (its uncommitted diffs
+    /// included), if the segment exists.
+    pub fn tx_version(&self, path: &str, tid: Tid) -> Option<u64> {
+        self.0
+            .segs
+            .lock()
+            .get(path)
+            .map(|e| e.core.tentative_version(tid))
+    }
+}
+
+impl Inner {
+    fn list(&self) -> Vec<SegmentInfo> {
+        self.segs
+            .lock()
+            .values()
+            .map(|e| {
+                let m = e.core.master();
+                SegmentInfo {
+                    url: m.url().to_string(),
+                    version: m.version(),
+                    blocks: m.block_count() as u64,
+                    units: m.units(),
+                    holders: e.core.holders() as u64,
+                }
+            })
+            .collect()
+    }
+
+    fn url(&self, path: &str) -> Result<SegUrl, Failure> {
+        let node = self.node.get().cloned().unwrap_or_default();
+        format!("weft://{node}/{path}").parse().map_err(fail)
+    }
+
+    fn check_secret(&self, path: &str, secret: &[u8]) -> Result<(), Failure> {
+        match self.segs.lock().get(path) {
+            None => Err(Failure::new(
+                Status::AddrError,
+                format!("no segment {path}"),
+            )),
+            Some(e) if e.secret != hash(secret) => Err(Failure::new(
+                Status::WrongSecret,
+                format!("wrong secret for {path}"),
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    async fn open(
+        &self,
+        path: String,
+        secret: Vec<u8>,
+        create: bool,
+    ) -> Result<HomeReply, Failure> {
+        let url = self.url(&path)?;
+        let h = hash(&secret);
+        let lsn = {
+            let mut segs = self.segs.lock();
+            if let Some(e) = segs.get(&path) {
+                if e.secret != h {
+                    return Err(Failure::new(
+                        Status::WrongSecret,
+                        format!("wrong secret for {path}"),
+                    ));
+                }
+                return Ok(HomeReply::Opened {
+                    version: e.core.master().version(),
+                });
+            }
+            if !create {
+                return Err(Failure::new(Status::AddrError, format!("no segment {url}")));
+            }
+            if segs.len() >= self.cfg.max_segments {
+                return Err(Failure::new(
+                    Status::TooLarge,
+                    "too many segments on this node",
+                ));
+            }
+            let lsn = match self.log.get() {
+                Some(log) => {
+                    let rec = postcard::to_allocvec(&StateRecord::Created {
+                        path: path.clone(),
+                        secret: h,
+                    })
+                    .expect("encodes");
+                    Some((
+                        log.clone(),
+                        log.append(STATE_RECORD_TAG, &rec).map_err(|e| {
+                            Failure::new(Status::Unavailable, format!("state: log append: {e}"))
+                        })?,
+                    ))
+                }
+                None => None,
+            };
+            segs.insert(
+                path.clone(),
+                Entry {
+                    secret: h,
+                    core: HomeSegment::new(Segment::new(url, self.cfg.limits), self.cfg.home),
+                },
+            );
+            lsn
+        };
+        if let Some((log, lsn)) = lsn {
+            log.force(lsn)
+                .await
+                .map_err(|e| Failure::new(Status::Unavailable, format!("state: log force: {e}")))?;
+        }
+        Ok(HomeReply::Opened { version: 0 })
+    }
+
+    fn encode_refresh(r: Refresh) -> WireRefresh {
+        match r {
+            Refresh::Current => WireRefresh::Current,
+            Refresh::Diff(d) => WireRefresh::Diff(codec::encode_diff(&d)),
+            Refresh::Image(i) => WireRefresh::Image(codec::encode_image(&i)),
+        }
+    }
+
+    async fn lock(
+        &self,
+        tid: Tid,
+        path: String,
+        secret: Vec<u8>,
+        mode: LockMode,
+        have: Option<u64>,
+    ) -> Result<HomeReply, Failure> {
+        self.check_secret(&path, &secret)?;
+        let deadline = Instant::now() + self.cfg.lock_wait;
+        loop {
+            let notified = self.released.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut segs = self.segs.lock();
+                let e = segs
+                    .get_mut(&path)
+                    .ok_or_else(|| Failure::new(Status::AddrError, format!("no segment {path}")))?;
+                if e.core.try_lock(tid, mode).map_err(fail)? {
+                    let version = e.core.master().version();
+                    let tx_version = e.core.tentative_version(tid);
+                    // A copy past the master holds this transaction's
+                    // uncommitted diffs (or an aborted sub's): start it over
+                    // from the master then.
+                    let base = have.filter(|h| *h <= version);
+                    let refresh = Self::encode_refresh(e.core.refresh(base));
+                    let tentative = e
+                        .core
+                        .pending_since(tid, version)
+                        .map(|d| codec::encode_diff(&d));
+                    return Ok(HomeReply::Refresh {
+                        version,
+                        refresh,
+                        tentative,
+                        tx_version,
+                    });
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Failure::new(
+                    Status::LockConflict,
+                    format!(
+                        "{path}: {mode:?} lock not granted within {:?}",
+                        self.cfg.lock_wait
+                    ),
+                ));
+            }
+            let _ = tokio::time::timeout(deadline - now, notified).await;
+        }
+    }
+
+    fn fetch(&self, path: &str, secret: &[u8], have: Option<u64>) -> Result<HomeReply, Failure> {
+        self.check_secret(path, secret)?;
+        let segs = self.segs.lock();
+        let e = segs
+            .get(path)
+            .ok_or_else(|| Failure::new(Status::AddrError, path.to_string()))?;
+        let version = e.core.master().version();
+        Ok(HomeReply::Refresh {
+            version,
+            refresh: Self::encode_refresh(e.core.refresh(have.filter(|h| *h <= version))),
+            tentative: None,
+            tx_version: version,
+        })
+    }
+
+    fn submit(
+        &self,
+        tid: Tid,
+        sub: SubPath,
+        path: &str,
+        bytes: &[u8],
+    ) -> Result<HomeReply, Failure> {
+        let diff = codec::decode_diff(bytes, self.cfg.max_bytes).map_err(fail)?;
+        let mut segs = self.segs.lock();
+        let e = segs
+            .get_mut(path)
+            .ok_or_else(|| Failure::new(Status::AddrError, path.to_string()))?;
+        let version = e.core.submit(tid, sub, diff).map_err(fail)?;
+        Ok(HomeReply::Submitted { version })
+    }
+
+    async fn handle(&self, ctx: CallContext, req: HomeRequest) -> Result<HomeReply, Failure> {
+        let tx = || {
+            ctx.tx().cloned().ok_or_else(|| {
+                Failure::new(
+                    Status::BadRequest,
+                    "state: locks and diffs need a transaction",
+                )
+            })
+        };
+        match req {
+            HomeRequest::Open {
+                path,
+                secret,
+                create,
+            } => self.open(path, secret, create).await,
+            HomeRequest::Lock {
+                path,
+                secret,
+                mode,
+                have,
+            } => self.lock(tx()?.tid, path, secret, mode, have).await,
+            HomeRequest::Fetch { path, secret, have } => self.fetch(&path, &secret, have),
+            HomeRequest::Submit { path, diff } => {
+                let t = tx()?;
+                self.submit(t.tid, t.path.clone(), &path, &diff)
+            }
+            HomeRequest::List => Ok(HomeReply::List(self.list())),
+        }
+    }
+
+    fn release_all(&self, tid: Tid, commit: bool) {
+        {
+            let mut segs = self.segs.lock();
+            for e in segs.values_mut() {
+                if commit {
+                    e.core.commit(tid);
+                } else {
+                    e.core.abort(tid);
+                }
+            }
+            self.prepared.lock().remove(&tid);
+        }
+        self.released.notify_waiters();
+    }
+
+    fn checkpoint_dir(&self) -> Option<&PathBuf> {
+        self.dir.get()
+    }
+
+    /// Writes every master image; returns the lowest prepare record still
+    /// needed. Images and that position are taken under the segments' lock,
+    /// which prepare (append + note) and commit (apply + forget) also hold,
+    /// so every transaction is either in an image or at/after the position.
+    ///
+    /// Commits are applied once their record is appended (early lock
+    /// release), so the log is forced up to the last record seen before the
+    /// images are written: a checkpoint never outlives what it holds.
+    fn write_checkpoint(&self, dir: &Path, log: &Log) -> Result<Option<Lsn>, String> {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        let (files, low, last) = {
+            let segs = self.segs.lock();
+            let last = log.last_lsn();
+            let low = self.prepared.lock().values().min().copied();
+            let files: Vec<(String, Vec<u8>)> = segs
+                .iter()
+                .map(|(p, e)| {
+                    let body = postcard::to_allocvec(&CheckpointFile {
+                        path: p.clone(),
+                        secret: e.secret,
+                        image: codec::encode_image(&e.core.master().image()),
+                    })
+                    .expect("encodes");
+                    (file_name(p), codec::frame(FrameKind::Image, &body))
+                })
+                .collect();
+            (files, low, last)
+        };
+        if last > log.durable_lsn() {
+            log.force_blocking(last).map_err(|e| e.to_string())?;
+        }
+        for (name, bytes) in files {
+            let tmp = dir.join(format!("{name}.tmp"));
+            let write = || -> std::io::Result<()> {
+                use std::io::Write;
+                let mut f = std::fs::File::create(&tmp)?;
+                f.write_all(&bytes)?;
+                f.sync_data()?;
+                std::fs::rename(&tmp, dir.join(&name))
+            };
+            write().map_err(|e| e.to_string())?;
+        }
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(low)
+    }
+}
+
+/// A checkpoint file's name: the path's hex, so any path is a safe name.
+fn file_name(path: &str) -> String {
+    let hex: String = path.bytes().map(|b| format!("{b:02x}")).collect();
+    format!("{hex}.seg")
+}
+
+impl Resource for HomeResource {
+    fn name(&self) -> &str {
+        SERVICE
+    }
+
+    fn class(&self) -> ParticipationClass {
+        ParticipationClass::TwoPhase
+    }
+
+    fn commits_from_this_log(&self) -> bool {
+        true
+    }
+
+    fn prepare<'a>(&'a self, tid: Tid, log: &'a Log) -> BoxFuture<'a, Vote> {
+        Box::pin(async move {
+            // Collect, append and note under the segments' lock (see
+            // `write_checkpoint`).
+            let appended = {
+                let all = self.0.segs.lock();
+                let segs: Vec<(String, Vec<Vec<u8>>)> = all
+                    .iter()
+                    .map(|(p, e)| (p.clone(), e.core.prepared(tid)))
+                    .filter(|(_, d)| !d.is_empty())
+                    .map(|(p, d)| (p, d.iter().map(codec::encode_diff).collect()))
+                    .collect();
+                if segs.is_empty() {
+                    None
+                } else {
+                    let rec = postcard::to_allocvec(&StateRecord::Prepared { tid, segs })
+                        .expect("encodes");
+                    let r = log.append(STATE_RECORD_TAG, &rec);
+                    if let Ok(lsn) = &r {
+                        self.0.prepared.lock().insert(tid, *lsn);
+                    }
+                    Some(r)
+                }
+            };
+            match appended {
+                None => {
+                    self.0.release_all(tid, false);
+                    Vote::ReadOnly
+                }
+                Some(Ok(_)) => Vote::Yes { durable: true },
+                Some(Err(e)) => {
+                    self.0.release_all(tid, false);
+                    Vote::No(format!("state: cannot log the prepare record: {e}"))
+                }
+            }
+        })
+    }
+
+    fn commit(&self, tid: Tid) -> BoxFuture<'_, ()> {
+        Box::pin(async move { self.0.release_all(tid, true) })
+    }
+
+    fn abort(&self, tid: Tid) -> BoxFuture<'_, ()> {
+        Box::pin(async move { self.0.release_all(tid, false) })
+    }
+
+    fn held(&self) -> Vec<(Tid, String)> {
+        self.0
+            .prepared
+            .lock()
+            .keys()
+            .map(|t| (*t, "prepared state diffs".to_string()))
+            .collect()
+    }
+
+    fn sub_ended(&self, tid: Tid, path: &SubPath, committed: bool) {
+        if !committed {
+            for e in self.0.segs.lock().values_mut() {
+                e.core.sub_aborted(tid, path);
+            }
+        }
+    }
+}
+
+fn plugin_failure(e: impl std::fmt::Display) -> Failure {
+    Failure::new(Status::Internal, format!("state: {e}"))
+}
+
+impl Plugin for StateHome {
+    fn name(&self) -> &str {
+        SERVICE
+    }
+
+    fn attach(&self, tm: &TxManager, log: &Log) -> Result<(), Failure> {
+        let dir = self.0.cfg.dir.clone().unwrap_or_else(|| {
+            log.dir()
+                .parent()
+                .map(|p| p.join("state"))
+                .unwrap_or_else(|| log.dir().join("state"))
+        });
+        let _ = self.0.dir.set(dir);
+        let _ = self.0.log.set(log.clone());
+        let _ = self.0.node.set(tm.node_id().0.to_string());
+        tm.register_resource(Arc::new(HomeResource(Arc::clone(&self.0))));
+        Ok(())
+    }
+
+    fn recover(&self, tm: &TxManager, records: &[LogRecord]) -> Result<(), Failure> {
+        let inner = &self.0;
+        // 1. Checkpoint images.
+        if let Some(dir) = inner.checkpoint_dir() {
+            if let Ok(rd) = std::fs::read_dir(dir) {
+                for ent in rd.flatten() {
+                    let p = ent.path();
+                    if p.extension().and_then(|e| e.to_str()) != Some("seg") {
+                        continue;
+                    }
+                    let bytes = std::fs::read(&p).map_err(plugin_failure)?;
+                    let (_, body) = codec::unframe(&bytes).map_err(plugin_failure)?;
+                    let f: CheckpointFile = postcard::from_bytes(body).map_err(plugin_failure)?;
+                    let img = codec::decode_image(&f.image, usize::MAX).map_err(plugin_failure)?;
+                    let seg = Segment::from_image(img, inner.cfg.limits).map_err(plugin_failure)?;
+                    inner.segs.lock().insert(
+                        f.path,
+                        Entry {
+                            secret: f.secret,
+                            core: HomeSegment::new(seg, inner.cfg.home),
+                        },
+                    );
+                }
+            }
+        }
+        // 2. The log: creations, then committed diffs in log order.
+        let (mut redone, mut in_doubt) = (0, 0);
+        for r in records.iter().filter(|r| r.tag == STATE_RECORD_TAG) {
+            let rec: StateRecord = postcard::from_bytes(&r.payload)
+                .map_err(|e| plugin_failure(format!("undecodable record at {}: {e}", r.lsn)))?;
+            match rec {
+                StateRecord::Created { path, secret } => {
+                    let url = inner.url(&path)?;
+                    inner.segs.lock().entry(path).or_insert_with(|| Entry {
+                        secret,
+                        core: HomeSegment::new(Segment::new(url, inner.cfg.limits), inner.cfg.home),
+                    });
+                }
+                StateRecord::Prepared { tid, segs } => {
+                    let outcome = tm.recovered(tid);
+                    if !matches!(
+                        outcome,
+                        Some(Recovered::Committed) | Some(Recovered::InDoubt)
+                    ) {
+                        continue;
+                    }
+                    let mut all = inner.segs.lock();
+                    for (path, diffs) in segs {
+                        let e = all.get_mut(&path).ok_or_else(|| {
+                            plugin_failure(format!("diffs for unknown segment {path}"))
+                        })?;
+                        let diffs = diffs
+                            .iter()
+                            .map(|b| codec::decode_diff(b, usize::MAX))
+                            .collect::<Result<Vec<_>, _>>()
+                            .map_err(plugin_failure)?;
+                        if outcome == Some(Recovered::Committed) {
+                            for d in &diffs {
+                                e.core.redo(d).map_err(plugin_failure)?;
+                            }
+                        } else {
+                            e.core
+                                .restore_in_doubt(tid, diffs)
+                                .map_err(plugin_failure)?;
+                        }
+                    }
+                    if outcome == Some(Recovered::Committed) {
+                        redone += 1;
+                    } else {
+                        in_doubt += 1;
+                        inner.prepared.lock().insert(tid, r.lsn);
+                    }
+                }
+            }
+        }
+        tracing::info!(
+            segments = inner.segs.lock().len(),
+            redone,
+            in_doubt,
+            "state recovered"
+        );
+        Ok(())
+    }
+
+    fn serve(&self, rpc: &Rpc) -> Result<(), Failure> {
+        let inner = Arc::clone(&self.0);
+        let res: Arc<dyn Resource> = Arc::new(HomeResource(Arc::clone(&self.0)));
+        rpc.register(
+            SERVICE,
+            ServiceOptions::with_participant(res),
+            move |ctx, req: HomeRequest| {
+                let inner = Arc::clone(&inner);
+                async move { inner.handle(ctx, req).await }
+            },
+        )
+    }
+
+    fn checkpoint(&self, log: &Log) -> Result<Option<Lsn>, Failure> {
+        let dir = self
+            .0
+            .checkpoint_dir()
+            .cloned()
+            .ok_or_else(|| plugin_failure("not attached"))?;
+        self.0.write_checkpoint(&dir, log).map_err(plugin_failure)
+    }
+}
