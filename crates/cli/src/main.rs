@@ -13,6 +13,7 @@ mod node_cmd;
 mod raid_acks;
 mod raid_cmd;
 mod sim_cmd;
+mod state_cmd;
 mod status_cmd;
 mod tx_cmd;
 
@@ -59,6 +60,9 @@ enum Cmd {
     /// connections.
     #[command(subcommand)]
     Net(net_cmd::NetCmd),
+    /// Shared state segments: list, print, watch.
+    #[command(subcommand)]
+    State(state_cmd::StateCmd),
 }
 
 fn main() {
@@ -98,6 +102,7 @@ fn main() {
             Cmd::Bench(c) => bench::run(c).await,
             Cmd::Net(c) => net_cmd::run(c).await,
             Cmd::Sim(a) => sim_cmd::run(a).await,
+            Cmd::State(c) => state_cmd::run(c).await,
         }
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));

@@ -231,7 +231,8 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let b = args
         .builder()?
         .plugin(Arc::new(kv))
-        .plugin(weft_group::GroupPlugin::new(Default::default()));
+        .plugin(weft_group::GroupPlugin::new(Default::default()))
+        .plugin(Arc::new(weft_state::StateHome::new(Default::default())));
     let node = args.start(b).await?;
     announce(&node);
     wait_for_signal().await;
