@@ -7,12 +7,16 @@
 
 use std::time::{Duration, Instant};
 
+use weft::admin::{TxReply, TxRequest, TX_SERVICE};
 use weft_state::core::codec;
+use weft_state::core::mip::BlockRef;
 use weft_state::core::segment::{SegLimits, Segment};
+use weft_state::core::twin::{collect, Twins, Writer};
 use weft_state::core::types::{TypeDesc, Unit};
 use weft_state::service::{HomeReply, HomeRequest, WireRefresh};
+use weft_state::LockMode;
 use weft_state::{Coherence, SegUrl, SERVICE};
-use weft_wire::{Address, NodeId, ServiceName};
+use weft_wire::{Address, NodeId, ServiceName, Tid, TxContext};
 
 use crate::client::{parse_duration, Client, ClientOpts};
 
@@ -37,11 +41,32 @@ pub enum StateCmd {
         /// The segment, `weft://<node id>/<path>`.
         url: String,
         /// The segment's access secret.
-        #[arg(long, env = "WEFT_STATE_SECRET", default_value = "")]
-        secret: String,
+        #[arg(long = "seg-secret", env = "WEFT_STATE_SECRET", default_value = "")]
+        seg_secret: String,
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Set an `i64` block (allocated when absent) inside `$WEFT_TX` when
+    /// set, else inside a transaction of its own committed on success.
+    Set {
+        #[command(flatten)]
+        client: ClientOpts,
+        /// The segment, `weft://<node id>/<path>`.
+        url: String,
+        /// The block's name.
+        block: String,
+        /// The value.
+        value: i64,
+        /// The segment's access secret.
+        #[arg(long = "seg-secret", env = "WEFT_STATE_SECRET", default_value = "")]
+        seg_secret: String,
+        /// Create the segment when absent.
+        #[arg(long)]
+        create: bool,
+        /// Run inside this transaction (default: $WEFT_TX).
+        #[arg(long, env = "WEFT_TX")]
+        tx: Option<Tid>,
     },
     /// Print each new version of a segment and the bytes its refresh moved.
     Watch {
@@ -50,8 +75,8 @@ pub enum StateCmd {
         /// The segment, `weft://<node id>/<path>`.
         url: String,
         /// The segment's access secret.
-        #[arg(long, env = "WEFT_STATE_SECRET", default_value = "")]
-        secret: String,
+        #[arg(long = "seg-secret", env = "WEFT_STATE_SECRET", default_value = "")]
+        seg_secret: String,
         /// full | delta:N | temporal:DUR | diff:PCT.
         #[arg(long, default_value = "full")]
         coherence: String,
@@ -65,7 +90,11 @@ pub enum StateCmd {
 }
 
 fn home(node: NodeId) -> Address {
-    Address { service: ServiceName::new(SERVICE).expect("valid"), instance: 0, node }
+    Address {
+        service: ServiceName::new(SERVICE).expect("valid"),
+        instance: 0,
+        node,
+    }
 }
 
 fn parse_url(s: &str) -> anyhow::Result<(SegUrl, NodeId)> {
@@ -86,9 +115,15 @@ async fn fetch(
     seg: &mut Option<Segment>,
 ) -> anyhow::Result<u64> {
     let have = seg.as_ref().map(Segment::version);
-    let req = HomeRequest::Fetch { path: url.path.clone(), secret: secret.as_bytes().to_vec(), have };
+    let req = HomeRequest::Fetch {
+        path: url.path.clone(),
+        secret: secret.as_bytes().to_vec(),
+        have,
+    };
     let reply: HomeReply = client.call(&home(node), req, None).await?;
-    let HomeReply::Refresh { refresh, .. } = reply else { anyhow::bail!("unexpected reply") };
+    let HomeReply::Refresh { refresh, .. } = reply else {
+        anyhow::bail!("unexpected reply")
+    };
     Ok(match refresh {
         WireRefresh::Current => 0,
         WireRefresh::Diff(b) => {
@@ -110,14 +145,19 @@ async fn fetch(
 /// Renders `units` of type `ty` as JSON text, consuming them.
 fn render(ty: &TypeDesc, units: &mut std::slice::Iter<'_, Unit>) -> String {
     match ty {
-        TypeDesc::Prim(_) => units.next().map(Unit::render).unwrap_or_else(|| "null".into()),
+        TypeDesc::Prim(_) => units
+            .next()
+            .map(Unit::render)
+            .unwrap_or_else(|| "null".into()),
         TypeDesc::Array { elem, len } => {
             let v: Vec<String> = (0..*len).map(|_| render(elem, units)).collect();
             format!("[{}]", v.join(","))
         }
         TypeDesc::Record { fields, .. } => {
-            let v: Vec<String> =
-                fields.iter().map(|f| format!("{:?}:{}", f.name, render(&f.ty, units))).collect();
+            let v: Vec<String> = fields
+                .iter()
+                .map(|f| format!("{:?}:{}", f.name, render(&f.ty, units)))
+                .collect();
             format!("{{{}}}", v.join(","))
         }
     }
@@ -131,18 +171,31 @@ pub async fn run(cmd: StateCmd) -> anyhow::Result<()> {
             let node = at.map(NodeId).unwrap_or(c.gateway());
             let reply: HomeReply = c.call(&home(node), HomeRequest::List, None).await?;
             c.close().await;
-            let HomeReply::List(segs) = reply else { anyhow::bail!("unexpected reply") };
+            let HomeReply::List(segs) = reply else {
+                anyhow::bail!("unexpected reply")
+            };
             if json {
                 println!("{}", serde_json::to_string_pretty(&segs)?);
             } else {
-                println!("{:<40} {:>8} {:>8} {:>10} {:>8}", "URL", "VERSION", "BLOCKS", "UNITS", "LOCKS");
+                println!(
+                    "{:<40} {:>8} {:>8} {:>10} {:>8}",
+                    "URL", "VERSION", "BLOCKS", "UNITS", "LOCKS"
+                );
                 for s in segs {
-                    println!("{:<40} {:>8} {:>8} {:>10} {:>8}", s.url, s.version, s.blocks, s.units, s.holders);
+                    println!(
+                        "{:<40} {:>8} {:>8} {:>10} {:>8}",
+                        s.url, s.version, s.blocks, s.units, s.holders
+                    );
                 }
             }
             Ok(())
         }
-        StateCmd::Cat { client, url, secret, json } => {
+        StateCmd::Cat {
+            client,
+            url,
+            seg_secret: secret,
+            json,
+        } => {
             let (url, node) = parse_url(&url)?;
             let c = Client::connect(&client).await?;
             let mut seg = None;
@@ -179,7 +232,29 @@ pub async fn run(cmd: StateCmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        StateCmd::Watch { client, url, secret, coherence, interval, count } => {
+        StateCmd::Set {
+            client,
+            url,
+            block,
+            value,
+            seg_secret: secret,
+            create,
+            tx,
+        } => {
+            let (url, node) = parse_url(&url)?;
+            let c = Client::connect(&client).await?;
+            let r = set(&c, &url, node, &block, value, &secret, create, tx).await;
+            c.close().await;
+            r
+        }
+        StateCmd::Watch {
+            client,
+            url,
+            seg_secret: secret,
+            coherence,
+            interval,
+            count,
+        } => {
             let (url, node) = parse_url(&url)?;
             let model: Coherence = coherence.parse()?;
             // Without version notices from the home, a watcher polls: every
@@ -197,7 +272,10 @@ pub async fn run(cmd: StateCmd) -> anyhow::Result<()> {
                 let moved = fetch(&c, &url, node, &secret, &mut seg).await?;
                 let v = seg.as_ref().map_or(0, Segment::version);
                 if last != Some(v) {
-                    println!("version {v} moved {moved} bytes in {} us", t.elapsed().as_micros());
+                    println!(
+                        "version {v} moved {moved} bytes in {} us",
+                        t.elapsed().as_micros()
+                    );
                     last = Some(v);
                     seen += 1;
                     if count.is_some_and(|n| seen >= n) {
@@ -210,4 +288,97 @@ pub async fn run(cmd: StateCmd) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `weft state set`: one write critical section from a shell.
+#[allow(clippy::too_many_arguments)]
+async fn set(
+    c: &Client,
+    url: &SegUrl,
+    node: NodeId,
+    block: &str,
+    value: i64,
+    secret: &str,
+    create: bool,
+    tx: Option<Tid>,
+) -> anyhow::Result<()> {
+    let open = HomeRequest::Open {
+        path: url.path.clone(),
+        secret: secret.as_bytes().to_vec(),
+        create,
+    };
+    let _: HomeReply = c.call(&home(node), open, None).await?;
+    let tx_addr = |node| Address {
+        service: ServiceName::new(TX_SERVICE).expect("valid"),
+        instance: 0,
+        node,
+    };
+    let (ctx, own) = match tx {
+        Some(tid) => (TxContext::new(tid), false),
+        None => {
+            let r: TxReply = c
+                .call_here(TX_SERVICE, TxRequest::Begin { timeout_ms: None })
+                .await?;
+            let TxReply::Begun(ctx) = r else {
+                anyhow::bail!("unexpected reply {r:?}")
+            };
+            (ctx, true)
+        }
+    };
+    let tid = ctx.tid;
+    let work = async {
+        let lock = HomeRequest::Lock {
+            path: url.path.clone(),
+            secret: secret.as_bytes().to_vec(),
+            mode: LockMode::Write,
+            have: None,
+        };
+        let reply: HomeReply = c.call(&home(node), lock, Some(ctx.clone())).await?;
+        let HomeReply::Refresh {
+            refresh, tentative, ..
+        } = reply
+        else {
+            anyhow::bail!("unexpected reply")
+        };
+        let WireRefresh::Image(b) = refresh else {
+            anyhow::bail!("expected a whole segment")
+        };
+        let mut seg =
+            Segment::from_image(codec::decode_image(&b, usize::MAX)?, SegLimits::default())?;
+        if let Some(t) = tentative {
+            seg.apply(&codec::decode_diff(&t, usize::MAX)?)?;
+        }
+        let mut twins = Twins::new(&seg);
+        {
+            let mut w = Writer::new(&mut seg, &mut twins)?;
+            let r = BlockRef::Name(block.to_string());
+            match w.segment().lookup(&r) {
+                Ok(_) => w.write(&r, &value)?,
+                Err(_) => {
+                    w.alloc(Some(block), &value)?;
+                }
+            }
+        }
+        let diff = collect(&mut seg, twins);
+        if diff.target != diff.base {
+            let submit = HomeRequest::Submit {
+                path: url.path.clone(),
+                diff: codec::encode_diff(&diff),
+            };
+            let _: HomeReply = c.call(&home(node), submit, Some(ctx.clone())).await?;
+        }
+        Ok(())
+    };
+    let r = work.await;
+    if own {
+        let req = match &r {
+            Ok(()) => TxRequest::Commit(tid),
+            Err(e) => TxRequest::Abort(tid, e.to_string()),
+        };
+        let done: Result<TxReply, _> = c.call(&tx_addr(tid.node), req, None).await;
+        if r.is_ok() {
+            done?;
+        }
+    }
+    r
 }
