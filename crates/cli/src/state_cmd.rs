@@ -119,6 +119,7 @@ async fn fetch(
         path: url.path.clone(),
         secret: secret.as_bytes().to_vec(),
         have,
+        tentative_of: None,
     };
     let reply: HomeReply = client.call(&home(node), req, None).await?;
     let HomeReply::Refresh { refresh, .. } = reply else {
@@ -332,6 +333,7 @@ async fn set(
             secret: secret.as_bytes().to_vec(),
             mode: LockMode::Write,
             have: None,
+            tentative_of: None,
         };
         let reply: HomeReply = c.call(&home(node), lock, Some(ctx.clone())).await?;
         let HomeReply::Refresh {

@@ -169,28 +169,24 @@ impl StateClient {
     /// Brings the cached copy to the master's committed version (no lock).
     /// Returns the version. Fails like [`StateClient::open`].
     pub async fn refresh(&self, url: &SegUrl) -> Result<u64, Failure> {
-        let (secret, have) = self.have(url, None)?;
+        let (secret, have, tentative_of) = self.have(url)?;
         let req = HomeRequest::Fetch {
             path: url.path.clone(),
             secret,
             have,
+            tentative_of,
         };
         let reply = self.call(None, url, req).await?;
         self.apply_reply(url, None, reply)
     }
 
-    /// The secret and the version worth sending as `have` for `tid`.
-    fn have(&self, url: &SegUrl, tid: Option<Tid>) -> Result<(Vec<u8>, Option<u64>), Failure> {
+    /// The secret, the cached version, and whose uncommitted diffs it holds.
+    fn have(&self, url: &SegUrl) -> Result<(Vec<u8>, Option<u64>, Option<Tid>), Failure> {
         let c = self.0.cache.lock();
         let e = c
             .get(url)
             .ok_or_else(|| Failure::new(Status::AddrError, format!("{url} is not open here")))?;
-        let have = match e.tentative_of {
-            None => Some(e.seg.version()),
-            Some(_) => None,
-        };
-        let _ = tid;
-        Ok((e.secret.clone(), have))
+        Ok((e.secret.clone(), Some(e.seg.version()), e.tentative_of))
     }
 
     fn apply_reply(
@@ -219,9 +215,11 @@ impl StateClient {
             WireRefresh::Diff(b) => {
                 moved += b.len() as u64;
                 let d = codec::decode_diff(&b, max).map_err(fail)?;
-                if e.seg.apply(&d).is_err() {
+                if e.seg.apply_owned(d).is_err() {
                     // Our copy was not what we said: take the image next time.
-                    e.tentative_of = Some(Tid::new(NodeId(0), weft_wire::ids::Incarnation(0), 0));
+                    e.seg = Segment::new(url.clone(), self.0.limits);
+                    e.known_master = None;
+                    e.tentative_of = None;
                     return Err(Failure::new(
                         Status::Mismatch,
                         format!("{url}: refresh did not fit"),
@@ -240,7 +238,7 @@ impl StateClient {
         if let (Some(t), Some(b)) = (tid, tentative) {
             moved += b.len() as u64;
             let d = codec::decode_diff(&b, max).map_err(fail)?;
-            e.seg.apply(&d).map_err(fail)?;
+            e.seg.apply_owned(d).map_err(fail)?;
             e.tentative_of = Some(t);
         }
         let v = e.seg.version();
@@ -357,13 +355,14 @@ impl StateClient {
         mode: LockMode,
         tmt: &mut Tmt,
     ) -> Result<(), Failure> {
-        let (secret, have) = self.have(url, Some(tx.tid))?;
+        let (secret, have, tentative_of) = self.have(url)?;
         self.0.stats.lock().lock_messages += 1;
         let req = HomeRequest::Lock {
             path: url.path.clone(),
             secret,
             mode,
             have,
+            tentative_of,
         };
         let reply = self.call(Some(tx), url, req).await?;
         let master = match &reply {

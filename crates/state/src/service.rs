@@ -62,6 +62,8 @@ pub enum HomeRequest {
         mode: LockMode,
         /// The caller's cached version.
         have: Option<u64>,
+        /// The transaction whose uncommitted diffs the cached copy holds.
+        tentative_of: Option<Tid>,
     },
     /// Refreshes from `have` to the master's committed version (no lock).
     Fetch {
@@ -71,6 +73,8 @@ pub enum HomeRequest {
         secret: Vec<u8>,
         /// The caller's cached version.
         have: Option<u64>,
+        /// The transaction whose uncommitted diffs the cached copy holds.
+        tentative_of: Option<Tid>,
     },
     /// Submits a diff (wire form) written under the transaction's write lock.
     Submit {
@@ -418,6 +422,28 @@ impl Inner {
         }
     }
 
+    /// The cached version worth refreshing from: a copy holding another
+    /// transaction's uncommitted diffs counts only when that transaction
+    /// committed them all, in order (else: send the whole segment).
+    fn trusted(
+        &self,
+        path: &str,
+        have: Option<u64>,
+        tentative_of: Option<Tid>,
+        me: Option<Tid>,
+    ) -> Option<u64> {
+        match tentative_of {
+            None => have,
+            Some(t) if Some(t) == me => None,
+            Some(t) => {
+                let segs = self.segs.lock();
+                segs.get(path)
+                    .filter(|e| e.core.committed_linear(t))
+                    .and(have)
+            }
+        }
+    }
+
     fn fetch(&self, path: &str, secret: &[u8], have: Option<u64>) -> Result<HomeReply, Failure> {
         self.check_secret(path, secret)?;
         let segs = self.segs.lock();
@@ -469,8 +495,21 @@ impl Inner {
                 secret,
                 mode,
                 have,
-            } => self.lock(tx()?.tid, path, secret, mode, have).await,
-            HomeRequest::Fetch { path, secret, have } => self.fetch(&path, &secret, have),
+                tentative_of,
+            } => {
+                let tid = tx()?.tid;
+                let have = self.trusted(&path, have, tentative_of, Some(tid));
+                self.lock(tid, path, secret, mode, have).await
+            }
+            HomeRequest::Fetch {
+                path,
+                secret,
+                have,
+                tentative_of,
+            } => {
+                let have = self.trusted(&path, have, tentative_of, None);
+                self.fetch(&path, &secret, have)
+            }
             HomeRequest::Submit { path, diff } => {
                 let t = tx()?;
                 self.submit(t.tid, t.path.clone(), &path, &diff)

@@ -13,6 +13,7 @@ pub mod plot;
 pub mod rpc;
 pub mod rpc_shm;
 pub mod soak;
+pub mod state;
 
 use std::path::Path;
 use std::time::Duration;
@@ -45,6 +46,9 @@ pub enum BenchCmd {
     /// The KV disk engine at a small and a large size: checkpoint, reopen,
     /// random reads.
     Kvstore(kvstore::KvStoreArgs),
+    /// Shared state (InterWeave): diffs vs deep copies, cached reads, the
+    /// TMT's cost on a null RPC, a call chain over uncommitted updates.
+    State(state::StateArgs),
 }
 
 /// Runs a benchmark.
@@ -58,6 +62,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Soak(a) => soak::run(a).await,
         BenchCmd::Net(a) => net::run(a).await,
         BenchCmd::Kvstore(a) => kvstore::run(a).await,
+        BenchCmd::State(a) => state::run(a).await,
     }
 }
 

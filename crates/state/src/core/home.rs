@@ -56,7 +56,12 @@ struct Tentative {
     seg: Segment,
     /// Each diff with the (sub-)transaction that wrote it.
     diffs: Vec<(SubPath, Diff)>,
+    /// A sub-transaction's diffs were undone: version numbers were reused.
+    sub_aborted: bool,
 }
+
+/// Most recently committed writers remembered (see [`HomeSegment::committed_linear`]).
+pub const MAX_COMMITTED_REMEMBERED: usize = 1024;
 
 /// The home's state for one segment.
 #[derive(Clone, Debug)]
@@ -66,6 +71,7 @@ pub struct HomeSegment {
     readers: BTreeSet<Tid>,
     writer: Option<Tid>,
     pending: BTreeMap<Tid, Tentative>,
+    committed: VecDeque<Tid>,
     limits: HomeLimits,
 }
 
@@ -78,6 +84,7 @@ impl HomeSegment {
             readers: BTreeSet::new(),
             writer: None,
             pending: BTreeMap::new(),
+            committed: VecDeque::new(),
             limits,
         }
     }
@@ -181,6 +188,7 @@ impl HomeSegment {
         let t = self.pending.entry(tid).or_insert_with(|| Tentative {
             seg: master.clone(),
             diffs: Vec::new(),
+            sub_aborted: false,
         });
         if t.diffs.len() >= self.limits.max_pending {
             return Err(StateError::LimitExceeded(
@@ -208,6 +216,7 @@ impl HomeSegment {
             return;
         };
         t.diffs.truncate(cut);
+        t.sub_aborted = true;
         let mut seg = self.master.clone();
         for (_, d) in &t.diffs {
             if seg.apply(d).is_err() {
@@ -215,9 +224,13 @@ impl HomeSegment {
             }
         }
         t.seg = seg;
-        if t.diffs.is_empty() {
-            self.pending.remove(&tid);
-        }
+    }
+
+    /// True when `tid` committed here recently and every version it made is
+    /// a master version (no sub-transaction of it was undone): a copy holding
+    /// its uncommitted diffs at version v is then the master's version v.
+    pub fn committed_linear(&self, tid: Tid) -> bool {
+        self.committed.contains(&tid)
     }
 
     /// `tid`'s uncommitted diffs after version `have`, chained (what a callee
@@ -266,6 +279,12 @@ impl HomeSegment {
     pub fn commit(&mut self, tid: Tid) -> u64 {
         let mut changed = 0;
         if let Some(t) = self.pending.remove(&tid) {
+            if !t.sub_aborted {
+                self.committed.push_back(tid);
+                while self.committed.len() > MAX_COMMITTED_REMEMBERED {
+                    self.committed.pop_front();
+                }
+            }
             for (_, d) in t.diffs {
                 match self.master.apply(&d) {
                     Ok(()) => {
@@ -381,6 +400,7 @@ mod tests {
         assert_eq!((lack.base, lack.target), (2, 3));
         assert_eq!(h.commit(tid(1)), 2);
         assert_eq!(h.master(), &copy);
+        assert!(h.committed_linear(tid(1)));
         match h.refresh(Some(1)) {
             Refresh::Diff(d) => assert_eq!((d.base, d.target, d.units()), (1, 3, 2)),
             r => panic!("{r:?}"),
@@ -429,6 +449,10 @@ mod tests {
         assert_eq!(h.tentative_version(tid(1)), 2);
         h.commit(tid(1));
         assert_eq!(h.master(), &keep);
+        assert!(
+            !h.committed_linear(tid(1)),
+            "versions were reused: copies of it are not trusted"
+        );
     }
 
     #[test]

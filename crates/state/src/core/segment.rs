@@ -495,6 +495,49 @@ impl Segment {
         Ok(())
     }
 
+    /// Like [`Segment::apply`], moving the diff's values in instead of
+    /// copying them (refreshes and images, which are used once).
+    pub fn apply_owned(&mut self, diff: Diff) -> Result<(), StateError> {
+        self.check(&diff)?;
+        for op in diff.ops {
+            match op {
+                DiffOp::Alloc {
+                    serial,
+                    name,
+                    ty,
+                    data,
+                } => {
+                    if let Some(n) = &name {
+                        self.names.insert(n.clone(), serial);
+                    }
+                    self.units += data.len() as u64;
+                    self.next_serial = serial + 1;
+                    self.blocks.insert(serial, Block { name, ty, data });
+                }
+                DiffOp::Write {
+                    serial,
+                    start,
+                    units,
+                } => {
+                    if let Some(b) = self.blocks.get_mut(&serial) {
+                        let s = start as usize;
+                        for (slot, u) in b.data[s..s + units.len()].iter_mut().zip(units) {
+                            *slot = u;
+                        }
+                    }
+                }
+                free @ DiffOp::Free { .. } => self.apply_op(&free),
+            }
+        }
+        self.version = diff.target;
+        self.next_serial = self.next_serial.max(diff.next_serial);
+        for (u, v) in &diff.deps {
+            let e = self.deps.entry(u.clone()).or_insert(0);
+            *e = (*e).max(*v);
+        }
+        Ok(())
+    }
+
     /// Applies one op that [`Segment::check`] accepted.
     pub(crate) fn apply_op(&mut self, op: &DiffOp) {
         match op {
@@ -572,7 +615,7 @@ impl Segment {
                 })
                 .collect(),
         };
-        seg.apply(&diff)?;
+        seg.apply_owned(diff)?;
         if img.next_serial < seg.next_serial {
             return Err(StateError::BadDiff(
                 "image's next serial is below a live block".into(),

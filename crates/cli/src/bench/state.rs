@@ -1,0 +1,442 @@
+//! `weft bench state`: shared state (InterWeave, seed 003) against same-run
+//! baselines. Two nodes over TCP; node 1 is the home of one segment of 1 MiB
+//! of typed records.
+//!
+//! - Fig. 3: a writer on node 1 changes x% of the records in a transaction
+//!   and commits; a reader on node 2 takes a Full read lock (its refresh is
+//!   the chained diff, or the whole segment when smaller); against a
+//!   deep-copy RPC of every record.
+//! - A read lock on a recent-enough cached copy against a one-RPC read.
+//! - A null RPC carrying the TMT of one segment against a transactional null
+//!   RPC without it.
+//! - A call chain whose callee reads its caller's uncommitted update (plain:
+//!   the callee fetches the diff from the home). Proactive diffs are not
+//!   built, so `chain_proactive_us` is not reported.
+//!
+//! Owns only measuring; never asserts a target (it prints PASS/MISS).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use weft::{Address, ChannelSet, InprocHub, Node, Seed, ServiceOptions};
+use weft_state::core::mip::BlockRef;
+use weft_state::core::types::TypeDesc;
+use weft_state::{Coherence, HomeConfig, SegUrl, StateClient, StateHome, Typed};
+
+use super::{check, progress, r2, write_json, Latency};
+
+weft_state::state_record! {
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+    pub struct Rec { pub id: u64, pub a: i64, pub b: f64, pub c: u32 }
+}
+
+/// Bytes a record takes natively (u64 + i64 + f64 + u32, padded).
+const REC_BYTES: usize = 32;
+
+/// `weft bench state` arguments.
+#[derive(clap::Args, Debug)]
+pub struct StateArgs {
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw the Fig. 3 curve to this PNG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Segment size in bytes of native records.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub bytes: usize,
+    /// Measured repetitions per point.
+    #[arg(long, default_value_t = 15)]
+    pub reps: usize,
+    /// Measured null calls per configuration.
+    #[arg(long, default_value_t = 2000)]
+    pub calls: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Empty;
+
+#[derive(Serialize, Deserialize)]
+struct ChainReq {
+    url: String,
+}
+
+fn records() -> BlockRef {
+    BlockRef::Name("records".into())
+}
+
+/// Least-squares fit of y on x: r².
+fn r_squared(points: &[(f64, f64)]) -> f64 {
+    let n = points.len() as f64;
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let syy: f64 = points.iter().map(|p| (p.1 - my).powi(2)).sum();
+    if sxx == 0.0 || syy == 0.0 {
+        return 0.0;
+    }
+    (sxy * sxy) / (sxx * syy)
+}
+
+async fn wait_version(home: &StateHome, path: &str, v: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while home.master(path).map_or(0, |s| s.version()) < v {
+        if Instant::now() > deadline {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Runs `weft bench state`.
+pub async fn run(args: StateArgs) -> anyhow::Result<()> {
+    let n = (args.bytes / REC_BYTES).max(100);
+    let tcp_only = ChannelSet {
+        inproc: false,
+        shm: false,
+        tcp: true,
+    };
+    let home = StateHome::new(HomeConfig::default());
+    let a = Node::builder(1)
+        .listen("127.0.0.1:0".parse()?)
+        .channels(tcp_only)
+        .hub(InprocHub::new())
+        .checkpoint_every(None)
+        .plugin(Arc::new(home.clone()))
+        .start()
+        .await?;
+    let b = Node::builder(2)
+        .listen("127.0.0.1:0".parse()?)
+        .channels(tcp_only)
+        .hub(InprocHub::new())
+        .join(Seed::Tcp(a.addr().expect("listening")))
+        .checkpoint_every(None)
+        .start()
+        .await?;
+    let writer = StateClient::new(a.rpc().clone());
+    let reader = StateClient::new(b.rpc().clone());
+    let url: SegUrl = "weft://1/bench".parse()?;
+    let secret = b"bench";
+
+    // The segment: one block of n records.
+    let pb = progress("creating the segment");
+    writer.open(&url, secret, true).await?;
+    let tx = a.begin();
+    writer
+        .write(tx.context(), &url, |w| {
+            let ty = TypeDesc::Array {
+                elem: Box::new(Rec::desc()),
+                len: n as u32,
+            };
+            let blk = w.alloc_zeroed(Some("records"), ty)?;
+            for i in 0..n {
+                let r = Rec {
+                    id: i as u64,
+                    a: i as i64,
+                    b: i as f64,
+                    c: i as u32,
+                };
+                w.write_at(&BlockRef::Serial(blk), (i * 4) as u64, &r)?;
+            }
+            Ok(())
+        })
+        .await?;
+    tx.commit().await?;
+    wait_version(&home, "bench", 1).await;
+    reader.open(&url, secret, false).await?;
+    pb.finish_and_clear();
+
+    // Baseline: a deep-copy RPC of every record.
+    let h = home.clone();
+    a.rpc().register(
+        "state_copy",
+        ServiceOptions::no_state(),
+        move |_ctx, _: Empty| {
+            let h = h.clone();
+            async move {
+                let seg = h.master("bench").expect("exists");
+                let blk = seg.block(&records()).expect("exists");
+                let recs: Vec<Rec> = blk
+                    .data
+                    .chunks(4)
+                    .filter_map(|c| Rec::take(&mut c.iter()))
+                    .collect();
+                Ok::<Vec<Rec>, weft::Failure>(recs)
+            }
+        },
+    )?;
+    let copy_addr: Address = "state_copy@1".parse()?;
+    let pb = progress("deep-copy RPC of the whole segment (baseline)");
+    let mut full = Latency::default();
+    for i in 0..args.reps + 2 {
+        let t = Instant::now();
+        let v: Vec<Rec> = b.call(&copy_addr, Empty).await?;
+        if i >= 2 {
+            full.record(t.elapsed());
+        }
+        assert_eq!(v.len(), n);
+    }
+    pb.finish_and_clear();
+
+    // Fig. 3.
+    let pcts = [1u32, 5, 10, 25, 50, 100];
+    let mut curve = Vec::new();
+    let mut moved = Vec::new();
+    let mut round = 0i64;
+    for pct in pcts {
+        let pb = progress(&format!("update {pct}% and refresh a Full reader"));
+        let step = (100 / pct) as usize;
+        let mut lat = Latency::default();
+        let mut bytes = 0u64;
+        for rep in 0..args.reps + 1 {
+            round += 1;
+            let tx = a.begin();
+            writer
+                .write(tx.context(), &url, |w| {
+                    for i in (0..n).step_by(step) {
+                        let r = Rec {
+                            id: i as u64,
+                            a: round,
+                            b: round as f64,
+                            c: round as u32,
+                        };
+                        w.write_at(&records(), (i * 4) as u64, &r)?;
+                    }
+                    Ok(())
+                })
+                .await?;
+            tx.commit().await?;
+            let want = home.master("bench").map_or(0, |s| s.version());
+            wait_version(&home, "bench", want).await;
+            let before = reader.stats().refresh_bytes;
+            let t = Instant::now();
+            let tx = b.begin();
+            reader
+                .read(tx.context(), &url, &Coherence::Full, |_| ())
+                .await?;
+            let took = t.elapsed();
+            tx.commit().await?;
+            if rep > 0 {
+                lat.record(took);
+                bytes += reader.stats().refresh_bytes - before;
+            }
+        }
+        pb.finish_and_clear();
+        curve.push((pct, lat.p50()));
+        moved.push(bytes / args.reps as u64);
+    }
+    let r2_fit = r_squared(
+        &curve
+            .iter()
+            .map(|(p, us)| (f64::from(*p), *us))
+            .collect::<Vec<_>>(),
+    );
+
+    // Cached read against a one-RPC read.
+    let pb = progress("cached read lock against a one-RPC read");
+    reader.refresh(&url).await?;
+    let mut cached = Latency::default();
+    let mut one_rpc = Latency::default();
+    let model = Coherence::Delta(1_000_000);
+    for i in 0..args.calls {
+        let tx = b.begin();
+        let t = Instant::now();
+        reader.read(tx.context(), &url, &model, |_| ()).await?;
+        if i > 0 {
+            cached.record(t.elapsed());
+        }
+        tx.commit().await?;
+        let t = Instant::now();
+        reader.refresh(&url).await?;
+        one_rpc.record(t.elapsed());
+    }
+    pb.finish_and_clear();
+
+    // Null RPC with and without the TMT of one segment.
+    a.rpc()
+        .register("null", ServiceOptions::no_state(), |_ctx, _: Empty| async {
+            Ok::<Empty, weft::Failure>(Empty)
+        })?;
+    let null: Address = "null@1".parse()?;
+    let pb = progress("transactional null RPC with and without a TMT");
+    let mut plain = Latency::default();
+    let mut with_tmt = Latency::default();
+    for round in 0..2 * 10 {
+        let tx = b.begin();
+        if round % 2 == 1 {
+            reader.read(tx.context(), &url, &model, |_| ()).await?;
+        }
+        for _ in 0..args.calls / 10 {
+            let t = Instant::now();
+            let _: Empty = tx.call(&null, Empty).await?;
+            if round % 2 == 1 {
+                with_tmt.record(t.elapsed());
+            } else {
+                plain.record(t.elapsed());
+            }
+        }
+        tx.commit().await?;
+    }
+    pb.finish_and_clear();
+
+    // Call chain: node 2's caller writes, node 1's callee reads the update.
+    let callee = writer.clone();
+    a.rpc().register(
+        "chain",
+        ServiceOptions::no_state(),
+        move |ctx: weft::CallContext, req: ChainReq| {
+            let cl = callee.clone();
+            async move {
+                let u: SegUrl = req.url.parse().map_err(|e: weft_state::StateError| {
+                    weft::Failure::new(e.status(), e.to_string())
+                })?;
+                let tx = ctx
+                    .tx()
+                    .cloned()
+                    .ok_or_else(|| weft::Failure::new(weft::Status::BadRequest, "no tx"))?;
+                let v = cl
+                    .read(&tx, &u, &Coherence::Full, |s| {
+                        s.read_at::<Rec>(&records(), 0).map(|r| r.a)
+                    })
+                    .await?
+                    .map_err(|e| weft::Failure::new(e.status(), e.to_string()))?;
+                Ok::<i64, weft::Failure>(v)
+            }
+        },
+    )?;
+    let chain: Address = "chain@1".parse()?;
+    let pb = progress("call chain: callee reads the caller's uncommitted update");
+    let (mut ph_local, mut ph_rpc, mut ph_commit, mut total) = (
+        Latency::default(),
+        Latency::default(),
+        Latency::default(),
+        Latency::default(),
+    );
+    for i in 0..args.reps * 4 + 1 {
+        round += 1;
+        let t0 = Instant::now();
+        let tx = b.begin();
+        reader
+            .write(tx.context(), &url, |w| w.write_at(&records(), 1, &round))
+            .await?;
+        let t1 = Instant::now();
+        let seen: i64 = tx
+            .call(
+                &chain,
+                ChainReq {
+                    url: url.to_string(),
+                },
+            )
+            .await?;
+        let t2 = Instant::now();
+        tx.commit().await?;
+        let t3 = Instant::now();
+        if seen != round {
+            anyhow::bail!("the callee saw {seen}, not the caller's uncommitted {round}");
+        }
+        if i > 0 {
+            ph_local.record(t1 - t0);
+            ph_rpc.record(t2 - t1);
+            ph_commit.record(t3 - t2);
+            total.record(t3 - t0);
+        }
+    }
+    pb.finish_and_clear();
+
+    let full_us = full.p50();
+    println!(
+        "weft bench state: {n} records ({} KiB native), TCP loopback, {} reps",
+        n * REC_BYTES / 1024,
+        args.reps
+    );
+    println!("  deep-copy RPC of the segment (baseline): {full_us} us");
+    for ((pct, us), b) in curve.iter().zip(&moved) {
+        println!("  update {pct:>3}%: Full read lock {us:>10} us, refresh moved {b} bytes");
+    }
+    println!("  update time linear in x: r^2 = {:.3}", r2_fit);
+    println!(
+        "  cached read lock {} us, one-RPC read {} us",
+        cached.p50(),
+        one_rpc.p50()
+    );
+    println!(
+        "  tx null RPC {} us, with a one-segment TMT {} us",
+        plain.p50(),
+        with_tmt.p50()
+    );
+    println!(
+        "  chain (plain) {} us: caller lock+local+collect+submit {} us, rpc (callee lock+fetch+apply) {} us, commit {} us",
+        total.p50(),
+        ph_local.p50(),
+        ph_rpc.p50(),
+        ph_commit.p50()
+    );
+    println!("  proactive diffs: not built (chain_proactive_us not reported)");
+    let get = |p: u32| curve.iter().find(|(x, _)| *x == p).map_or(0.0, |(_, v)| *v);
+    println!("targets (same run):");
+    check(
+        "update_pct_1_us / full_copy_us",
+        get(1) / full_us,
+        "<=",
+        0.1,
+    );
+    check("update_slope_r2", r2_fit, ">=", 0.95);
+    check(
+        "update_pct_100_us / full_copy_us",
+        get(100) / full_us,
+        "<=",
+        1.5,
+    );
+    check(
+        "cached_read_us / rpc_read_us",
+        cached.p50() / one_rpc.p50(),
+        "<=",
+        0.05,
+    );
+    check(
+        "tmt_null_rpc_us / tx_null_rpc_us",
+        with_tmt.p50() / plain.p50(),
+        "<=",
+        1.02,
+    );
+
+    let mut j = serde_json::json!({
+        "records": n,
+        "full_copy_us": full_us,
+        "update_slope_r2": r2(r2_fit),
+        "cached_read_us": cached.p50(),
+        "rpc_read_us": one_rpc.p50(),
+        "tmt_null_rpc_us": with_tmt.p50(),
+        "tx_null_rpc_us": plain.p50(),
+        "chain_plain_us": total.p50(),
+        "chain_phases_us": {
+            "caller_lock_local_collect_submit": ph_local.p50(),
+            "rpc_callee_lock_fetch_apply": ph_rpc.p50(),
+            "commit": ph_commit.p50(),
+        },
+        "chain_proactive_us": serde_json::Value::Null,
+    });
+    for ((pct, us), bytes) in curve.iter().zip(&moved) {
+        j[format!("update_pct_{pct}_us")] = serde_json::json!(us);
+        j[format!("update_pct_{pct}_bytes")] = serde_json::json!(bytes);
+    }
+    if let Some(p) = &args.json {
+        write_json(p, &j)?;
+    }
+    if let Some(p) = &args.plot {
+        let mut bars: Vec<(String, f64)> = vec![("full copy".into(), full_us)];
+        bars.extend(curve.iter().map(|(pct, us)| (format!("{pct}%"), *us)));
+        super::plot::bar_chart(
+            p,
+            "Fig. 3: Full read lock after x% changed vs deep-copy RPC",
+            "us",
+            &bars,
+        )?;
+    }
+    b.shutdown().await;
+    a.shutdown().await;
+    Ok(())
+}
