@@ -47,6 +47,9 @@ struct Cached {
     tentative_of: Option<Tid>,
 }
 
+/// The secret, the cached version, and whose uncommitted diffs it holds.
+type Have = (Vec<u8>, Option<u64>, Option<Tid>);
+
 /// Counters of what the cache saved and moved.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ClientStats {
@@ -181,7 +184,7 @@ impl StateClient {
     }
 
     /// The secret, the cached version, and whose uncommitted diffs it holds.
-    fn have(&self, url: &SegUrl) -> Result<(Vec<u8>, Option<u64>, Option<Tid>), Failure> {
+    fn have(&self, url: &SegUrl) -> Result<Have, Failure> {
         let c = self.0.cache.lock();
         let e = c
             .get(url)
