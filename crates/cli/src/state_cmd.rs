@@ -57,6 +57,7 @@ pub enum StateCmd {
         /// The block's name.
         block: String,
         /// The value.
+        #[arg(allow_negative_numbers = true)]
         value: i64,
         /// The segment's access secret.
         #[arg(long = "seg-secret", env = "WEFT_STATE_SECRET", default_value = "")]
