@@ -79,6 +79,18 @@ fn fail(e: StateError) -> Failure {
     Failure::new(e.status(), e.to_string())
 }
 
+/// True when a cached copy may be used with no message. The home sends no
+/// version notices yet, so what the client knows of the master is only as
+/// new as its last reply: Temporal (age since the copy was known current)
+/// and user predicates (which see that age) can be decided locally; Delta
+/// and Diff cannot be guaranteed without notices, so they ask the home (like
+/// Full) rather than risk a copy older than their bound.
+fn usable_without_message(model: &Coherence, v: &CacheView) -> bool {
+    v.known_master.is_some()
+        && matches!(model, Coherence::Temporal(_) | Coherence::User(_))
+        && model.recent_enough(v)
+}
+
 fn home_addr(url: &SegUrl) -> Result<Address, Failure> {
     let node: u32 = url.node.parse().map_err(|_| {
         Failure::new(
@@ -179,8 +191,9 @@ impl StateClient {
             have,
             tentative_of,
         };
+        let sent = Instant::now();
         let reply = self.call(None, url, req).await?;
-        self.apply_reply(url, None, reply)
+        self.apply_reply(url, None, reply, sent)
     }
 
     /// The secret, the cached version, and whose uncommitted diffs it holds.
@@ -192,11 +205,14 @@ impl StateClient {
         Ok((e.secret.clone(), Some(e.seg.version()), e.tentative_of))
     }
 
+    /// Applies a home's reply; `sent` is when the request left (the copy is
+    /// known current as of then, never later: a conservative age).
     fn apply_reply(
         &self,
         url: &SegUrl,
         tid: Option<Tid>,
         reply: HomeReply,
+        sent: Instant,
     ) -> Result<u64, Failure> {
         let HomeReply::Refresh {
             version,
@@ -237,7 +253,7 @@ impl StateClient {
         }
         e.tentative_of = None;
         e.known_master = Some(version);
-        e.known_at = Instant::now();
+        e.known_at = sent;
         if let (Some(t), Some(b)) = (tid, tentative) {
             moved += b.len() as u64;
             let d = codec::decode_diff(&b, max).map_err(fail)?;
@@ -322,7 +338,7 @@ impl StateClient {
                         })
                 };
                 match view {
-                    Some(v) if v.known_master.is_some() && model.recent_enough(&v) => {
+                    Some(v) if usable_without_message(model, &v) => {
                         self.0.stats.lock().local_grants += 1;
                         tmt.granted(url, LockMode::Read, v.cached_version)
                             .map_err(fail)?;
@@ -367,12 +383,13 @@ impl StateClient {
             have,
             tentative_of,
         };
+        let sent = Instant::now();
         let reply = self.call(Some(tx), url, req).await?;
         let master = match &reply {
             HomeReply::Refresh { version, .. } => *version,
             _ => 0,
         };
-        let v = self.apply_reply(url, Some(tx.tid), reply)?;
+        let v = self.apply_reply(url, Some(tx.tid), reply, sent)?;
         tmt.granted(url, mode, master).map_err(fail)?;
         if let Some(e) = tmt.get_mut(url) {
             // The home is the authority on what the transaction wrote (an
@@ -499,14 +516,16 @@ impl StateClient {
                 .get(url)
                 .ok_or_else(|| Failure::new(Status::AddrError, url.to_string()))?;
             e.tentative_of.is_none()
-                && e.known_master.is_some()
-                && model.recent_enough(&CacheView {
-                    cached_version: e.seg.version(),
-                    known_master: e.known_master,
-                    changed_units: 0,
-                    total_units: e.seg.units(),
-                    age: e.known_at.elapsed(),
-                })
+                && usable_without_message(
+                    model,
+                    &CacheView {
+                        cached_version: e.seg.version(),
+                        known_master: e.known_master,
+                        changed_units: 0,
+                        total_units: e.seg.units(),
+                        age: e.known_at.elapsed(),
+                    },
+                )
         };
         let before = self.stats().refresh_bytes;
         if !fresh {

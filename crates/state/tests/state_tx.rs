@@ -193,6 +193,15 @@ async fn a_recent_enough_cached_copy_is_read_with_no_message() {
         .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(c2.stats().lock_messages, after.lock_messages + 1);
+    // Without version notices from the home, Delta and Diff cannot be
+    // guaranteed locally: they ask (and so never exceed their bound).
+    for model in [Coherence::Delta(1000), Coherence::Diff(50.0)] {
+        let before = c2.stats().lock_messages;
+        let tx = c.node(2).begin();
+        c2.read(tx.context(), &u, &model, |_| ()).await.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(c2.stats().lock_messages, before + 1, "{model}");
+    }
 }
 
 #[derive(Serialize, Deserialize)]

@@ -240,7 +240,7 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     reader.refresh(&url).await?;
     let mut cached = Latency::default();
     let mut one_rpc = Latency::default();
-    let model = Coherence::Delta(1_000_000);
+    let model = Coherence::Temporal(Duration::from_secs(3600));
     for i in 0..args.calls {
         let tx = b.begin();
         let t = Instant::now();
