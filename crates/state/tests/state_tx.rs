@@ -480,3 +480,40 @@ async fn committed_versions_survive_a_crash_through_the_log_and_a_checkpoint() {
         h1.master("pb").unwrap().version()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_home_fails_lock_attempts_while_relaxed_copies_stay_readable() {
+    let (c, homes) = cluster(2, 1808).await;
+    let c2 = StateClient::new(c.node(2).rpc().clone());
+    let u = seed_segment(&c2, c.node(2), "dead").await;
+    wait_for("seed applied", Duration::from_secs(30), || {
+        homes[0].master("dead").unwrap().version() == 1
+    })
+    .await;
+    c2.refresh(&u).await.unwrap();
+    c.node(1).crash();
+    // A lock needs the home: a precise failure, not a hang.
+    let tx = c.node(2).begin();
+    let e = c2
+        .write(tx.context(), &u, |w| w.write(&counter(), &1i64))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.status,
+            Status::HostDead | Status::ProcDead | Status::TimedOut
+        ),
+        "{e}"
+    );
+    drop(tx);
+    // The cached copy stays readable under a relaxed model, with no message.
+    let (v, moved) = c2
+        .peek(&u, &Coherence::Temporal(Duration::from_secs(3600)), |s| {
+            s.read::<i64>(&counter())
+        })
+        .await
+        .unwrap();
+    assert_eq!((v.unwrap(), moved), (0, 0));
+    // Full needs the home.
+    assert!(c2.peek(&u, &Coherence::Full, |_| ()).await.is_err());
+}
