@@ -517,3 +517,80 @@ async fn a_dead_home_fails_lock_attempts_while_relaxed_copies_stay_readable() {
     // Full needs the home.
     assert!(c2.peek(&u, &Coherence::Full, |_| ()).await.is_err());
 }
+
+/// Random schedules of writers and readers through the fault-injecting
+/// transport (drops, duplicates, reordering, delays): no reader ever gets a
+/// copy older than its model's bound. Full, Delta and Diff must see at least
+/// the master version at the start of the read; Temporal(t) at least the
+/// master version sampled t before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_reader_gets_a_copy_older_than_its_models_bound() {
+    use rand::{Rng, SeedableRng};
+    use std::time::Instant;
+    for seed in [1809u64, 1810] {
+        let (c, homes) = cluster(3, seed).await;
+        let w = StateClient::new(c.node(2).rpc().clone());
+        let r = StateClient::new(c.node(3).rpc().clone());
+        let u = seed_segment(&w, c.node(2), "bound").await;
+        r.open(&u, SECRET, false).await.unwrap();
+        c.plan.set_default(weft::LinkFaults {
+            drop: 0.03,
+            duplicate: 0.03,
+            reorder: 0.05,
+            delay: Some((Duration::ZERO, Duration::from_millis(2))),
+            scope: weft::FaultScope::Messages,
+        });
+        let master = || homes[0].master("bound").map_or(0, |s| s.version());
+        let mut samples: Vec<(Instant, u64)> = vec![(Instant::now(), master())];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut history = Vec::new();
+        for step in 0..40i64 {
+            if rng.gen_bool(0.4) {
+                let tx = c.node(2).begin();
+                let ok = w
+                    .write(tx.context(), &u, |wr| wr.write(&counter(), &step))
+                    .await
+                    .is_ok();
+                let done = if ok {
+                    tx.commit().await.is_ok()
+                } else {
+                    tx.abort("fault").await.is_ok()
+                };
+                history.push(format!("step {step}: write ok={ok} done={done}"));
+                samples.push((Instant::now(), master()));
+                continue;
+            }
+            let model = match rng.gen_range(0..4) {
+                0 => Coherence::Full,
+                1 => Coherence::Delta(rng.gen_range(0..3)),
+                2 => Coherence::Diff(rng.gen_range(0.0..50.0)),
+                _ => Coherence::Temporal(Duration::from_millis(rng.gen_range(0..30))),
+            };
+            let start = Instant::now();
+            let at_start = master();
+            samples.push((start, at_start));
+            let tx = c.node(3).begin();
+            let got = r.read(tx.context(), &u, &model, |s| s.version()).await;
+            let _ = tx.commit().await;
+            history.push(format!(
+                "step {step}: read {model} at_start={at_start} -> {got:?}"
+            ));
+            let Ok(v) = got else { continue };
+            let bound = match &model {
+                Coherence::Temporal(t) => samples
+                    .iter()
+                    .filter(|(when, _)| *when + *t <= start)
+                    .map(|(_, v)| *v)
+                    .max()
+                    .unwrap_or(0),
+                _ => at_start,
+            };
+            assert!(
+                v >= bound,
+                "seed {seed}: {model} read version {v}, bound {bound}\n{}",
+                history.join("\n")
+            );
+        }
+        c.plan.set_default(weft::LinkFaults::none());
+    }
+}
