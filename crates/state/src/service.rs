@@ -361,11 +361,11 @@ impl Inner {
         Ok(HomeReply::Opened { version: 0 })
     }
 
-    fn encode_refresh(r: Refresh) -> WireRefresh {
+    fn encode_refresh(r: Refresh, master: &Segment) -> WireRefresh {
         match r {
             Refresh::Current => WireRefresh::Current,
             Refresh::Diff(d) => WireRefresh::Diff(codec::encode_diff(&d)),
-            Refresh::Image(i) => WireRefresh::Image(codec::encode_image(&i)),
+            Refresh::Whole => WireRefresh::Image(codec::encode_segment(master)),
         }
     }
 
@@ -395,7 +395,7 @@ impl Inner {
                     // uncommitted diffs (or an aborted sub's): start it over
                     // from the master then.
                     let base = have.filter(|h| *h <= version);
-                    let refresh = Self::encode_refresh(e.core.refresh(base));
+                    let refresh = Self::encode_refresh(e.core.refresh(base), e.core.master());
                     let tentative = e
                         .core
                         .pending_since(tid, version)
@@ -453,7 +453,10 @@ impl Inner {
         let version = e.core.master().version();
         Ok(HomeReply::Refresh {
             version,
-            refresh: Self::encode_refresh(e.core.refresh(have.filter(|h| *h <= version))),
+            refresh: Self::encode_refresh(
+                e.core.refresh(have.filter(|h| *h <= version)),
+                e.core.master(),
+            ),
             tentative: None,
             tx_version: version,
         })

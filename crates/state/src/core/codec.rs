@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::StateError;
 use super::mip::SegUrl;
-use super::segment::{Block, Diff, DiffOp, SegmentImage};
+use super::segment::{Block, Diff, DiffOp, Segment, SegmentImage};
 use super::types::{Field, PrimKind, TypeDesc, Unit};
 
 /// Most nodes in one materialized type descriptor.
@@ -349,6 +349,48 @@ pub fn encode_image(img: &SegmentImage) -> Vec<u8> {
         blocks,
     };
     postcard::to_allocvec(&w).expect("an image always encodes")
+}
+
+#[derive(Serialize)]
+struct WireBlockRef<'a> {
+    serial: u32,
+    name: &'a Option<String>,
+    ty: u32,
+    data: &'a [Unit],
+}
+
+#[derive(Serialize)]
+struct WireImageRef<'a> {
+    url: &'a SegUrl,
+    version: u64,
+    next_serial: u32,
+    deps: Vec<(&'a SegUrl, u64)>,
+    types: Vec<WireType>,
+    blocks: Vec<WireBlockRef<'a>>,
+}
+
+/// The wire form of a whole segment, encoded straight from a copy (the same
+/// bytes as [`encode_image`] of its image, without copying its blocks).
+pub fn encode_segment(seg: &Segment) -> Vec<u8> {
+    let mut it = Interner::default();
+    let blocks = seg
+        .blocks()
+        .map(|(s, b)| WireBlockRef {
+            serial: s,
+            name: &b.name,
+            ty: it.intern(&b.ty),
+            data: &b.data,
+        })
+        .collect();
+    let w = WireImageRef {
+        url: seg.url(),
+        version: seg.version(),
+        next_serial: seg.next_serial(),
+        deps: seg.deps().iter().map(|(u, v)| (u, *v)).collect(),
+        types: it.nodes,
+        blocks,
+    };
+    postcard::to_allocvec(&w).expect("a segment always encodes")
 }
 
 /// Decodes a segment image of at most `max_bytes` (checked further by

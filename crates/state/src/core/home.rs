@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use weft_wire::ids::{SubPath, Tid};
 
 use super::error::StateError;
-use super::segment::{Diff, Segment, SegmentImage};
+use super::segment::{Diff, Segment};
 use super::tmt::LockMode;
 
 /// Bounds on a home segment's bookkeeping.
@@ -47,7 +47,8 @@ pub enum Refresh {
     /// The chained diffs since its version.
     Diff(Diff),
     /// The whole segment (no copy, history too short, or the diff is larger).
-    Image(SegmentImage),
+    /// (Encode it from [`HomeSegment::master`]: no copy is made here.)
+    Whole,
 }
 
 /// A transaction's uncommitted work on the segment.
@@ -147,12 +148,22 @@ impl HomeSegment {
         let v = self.master.version();
         match have {
             Some(h) if h == v => Refresh::Current,
-            Some(h) if h < v => match self.chain_since(h) {
-                Some(d) if d.units() < self.master.units() => Refresh::Diff(d),
-                _ => Refresh::Image(self.master.image()),
-            },
-            _ => Refresh::Image(self.master.image()),
+            // Chain only when the diffs are smaller than the segment
+            // (counted first, so a large refresh never copies twice).
+            Some(h) if h < v && self.units_since(h).is_some_and(|u| u < self.master.units()) => {
+                match self.chain_since(h) {
+                    Some(d) => Refresh::Diff(d),
+                    None => Refresh::Whole,
+                }
+            }
+            _ => Refresh::Whole,
         }
+    }
+
+    /// Units the retained diffs since `have` carry (`None`: not retained).
+    fn units_since(&self, have: u64) -> Option<u64> {
+        let first = self.history.iter().position(|d| d.base == have)?;
+        Some(self.history.iter().skip(first).map(Diff::units).sum())
     }
 
     fn chain_since(&self, have: u64) -> Option<Diff> {
@@ -405,7 +416,7 @@ mod tests {
             Refresh::Diff(d) => assert_eq!((d.base, d.target, d.units()), (1, 3, 2)),
             r => panic!("{r:?}"),
         }
-        assert!(matches!(h.refresh(None), Refresh::Image(_)));
+        assert!(matches!(h.refresh(None), Refresh::Whole));
     }
 
     #[test]
@@ -467,7 +478,7 @@ mod tests {
         }
         assert_eq!(h.master().version(), 6);
         assert!(
-            matches!(h.refresh(Some(1)), Refresh::Image(_)),
+            matches!(h.refresh(Some(1)), Refresh::Whole),
             "history keeps 3"
         );
         assert!(matches!(h.refresh(Some(3)), Refresh::Diff(_)));

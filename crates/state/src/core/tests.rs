@@ -349,6 +349,11 @@ fn limits_give_statuses() {
 fn images_round_trip_through_the_wire_form() {
     let (seg, _) = seeded(20);
     let bytes = encode_image(&seg.image());
+    assert_eq!(
+        bytes,
+        crate::core::codec::encode_segment(&seg),
+        "one form, two encoders"
+    );
     let img = decode_image(&bytes, 1 << 20).unwrap();
     let back = Segment::from_image(img, SegLimits::default()).unwrap();
     assert_eq!(back, seg);
