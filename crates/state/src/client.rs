@@ -36,6 +36,8 @@ use crate::service::{HomeReply, HomeRequest, WireRefresh, SERVICE};
 
 /// Most segments one node caches.
 pub const MAX_CACHED: usize = 1024;
+/// Longest refresh (diff or image) accepted from a home, in bytes.
+pub const MAX_REFRESH_BYTES: usize = 256 << 20;
 
 struct Cached {
     seg: Segment,
@@ -77,6 +79,14 @@ pub struct StateClient(Arc<Inner>);
 
 fn fail(e: StateError) -> Failure {
     Failure::new(e.status(), e.to_string())
+}
+
+/// Drops a copy's contents (it holds writes that never reached the home):
+/// the next lock fetches the whole segment. The segment stays open.
+fn forget(e: &mut Cached) {
+    e.seg = Segment::new(e.seg.url().clone(), *e.seg.limits());
+    e.known_master = None;
+    e.tentative_of = None;
 }
 
 /// True when a cached copy may be used with no message. The home sends no
@@ -228,7 +238,7 @@ impl StateClient {
         let e = c
             .get_mut(url)
             .ok_or_else(|| Failure::new(Status::AddrError, url.to_string()))?;
-        let max = usize::MAX;
+        let max = MAX_REFRESH_BYTES;
         match refresh {
             WireRefresh::Current => {}
             WireRefresh::Diff(b) => {
@@ -468,7 +478,7 @@ impl StateClient {
                     (r, d)
                 }
                 Err(err) => {
-                    c.remove(url);
+                    forget(e);
                     return Err(fail(err));
                 }
             }
@@ -493,7 +503,9 @@ impl StateClient {
                 "state: unexpected reply to submit",
             )),
             Err(e) => {
-                self.0.cache.lock().remove(url);
+                if let Some(e) = self.0.cache.lock().get_mut(url) {
+                    forget(e);
+                }
                 Err(e)
             }
         }

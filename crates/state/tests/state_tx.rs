@@ -98,6 +98,26 @@ async fn updates_reach_the_master_only_at_commit_and_aborts_leave_no_trace() {
     assert_eq!(v.unwrap(), 42);
     tx.commit().await.unwrap();
 
+    // A critical section that fails sends nothing, and the copy it dirtied
+    // is not used again.
+    let tx = c.node(2).begin();
+    let e = c2
+        .write(tx.context(), &u, |w| {
+            w.write(&counter(), &7i64)?;
+            w.write(&counter(), &"not an i64".to_string())
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.status, Status::Mismatch, "{e}");
+    let v = c2
+        .read(tx.context(), &u, &Coherence::Full, |s| {
+            s.read::<i64>(&counter())
+        })
+        .await
+        .unwrap();
+    assert_eq!(v.unwrap(), 42);
+    tx.commit().await.unwrap();
+
     // An aborted writer leaves no trace, and its node's cache is not reused.
     let tx = c.node(2).begin();
     c2.write(tx.context(), &u, |w| w.write(&counter(), &-1i64))
