@@ -357,6 +357,7 @@ impl TxManager {
         match begun {
             Ok(tid) => {
                 inner.work.notify_one();
+                metrics::counter!("weft_tx_begun_total").increment(1);
                 tracing::debug!(%tid, "begin");
                 Ok(ctx(tid))
             }
@@ -455,6 +456,16 @@ impl TxManager {
     /// for a No vote or an abort by any participant; InDoubt when the
     /// commit record could not be forced (the log failed).
     pub async fn commit(&self, tid: Tid) -> Result<(), Failure> {
+        let started = Instant::now();
+        let result = self.commit_inner(tid).await;
+        if result.is_ok() {
+            metrics::histogram!("weft_tx_commit_duration_seconds")
+                .record(started.elapsed().as_secs_f64());
+        }
+        result
+    }
+
+    async fn commit_inner(&self, tid: Tid) -> Result<(), Failure> {
         let inner = &self.inner;
         let waiter = inner.ids.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -664,6 +675,24 @@ impl TxManager {
     /// Feeds a tick now (tests use it to avoid waiting for the timer).
     pub async fn tick(&self) {
         self.inner.feed(Event::Tick).await;
+    }
+}
+
+/// Counts a decision of this node as coordinator in the metrics registry
+/// (`weft_tx_committed_total`, `weft_tx_aborted_total{cause}`; see
+/// docs/metrics.md). A no-op when no metrics recorder is installed.
+fn count_decided(outcome: Option<Outcome>, cause: Option<Status>, read_only: bool) {
+    match outcome {
+        Some(Outcome::Aborted) => {
+            let cause = cause.unwrap_or(Status::Aborted).name();
+            metrics::counter!("weft_tx_aborted_total", "cause" => cause).increment(1);
+        }
+        Some(Outcome::Committed) | None => {
+            metrics::counter!("weft_tx_committed_total").increment(1);
+            if read_only || outcome.is_none() {
+                metrics::counter!("weft_tx_committed_read_only_total").increment(1);
+            }
+        }
     }
 }
 
@@ -883,7 +912,17 @@ impl TmInner {
                     }
                     None
                 }
-                Action::Decided { tid, .. } | Action::Forgotten { tid } => {
+                Action::Decided {
+                    tid,
+                    outcome,
+                    cause,
+                    read_only,
+                } => {
+                    count_decided(outcome, cause, read_only);
+                    self.intents.lock().remove(&tid);
+                    None
+                }
+                Action::Forgotten { tid } => {
                     self.intents.lock().remove(&tid);
                     None
                 }
