@@ -6,10 +6,14 @@
 //! exporter is installed ([`set_exporting`]), which the layers above consult
 //! before building labels from run-time strings. Must never allocate, lock or
 //! build a label from a run-time string on a frame's path: every metric here
-//! has a fixed key (channel and direction are literals), so with no recorder
-//! installed an update is a thread-local read and a no-op call.
+//! has a fixed key (channel and direction are literals), and the per-frame
+//! ones are only touched while exporting, through handles kept after their
+//! first use: without an exporter a frame costs one relaxed load here.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+use metrics::Counter;
 
 use weft_wire::Status;
 
@@ -30,6 +34,54 @@ pub fn exporting() -> bool {
     EXPORTING.load(Ordering::Relaxed)
 }
 
+/// One counter per channel, registered on first use while exporting and
+/// kept: a frame's update is then one relaxed atomic add, with no registry
+/// lookup (frames are the most frequent events weft counts).
+struct PerChannel([OnceLock<Counter>; 3]);
+
+impl PerChannel {
+    const fn new() -> PerChannel {
+        PerChannel([const { OnceLock::new() }; 3])
+    }
+
+    /// Adds `n` to the counter `name{channel=kind}` if exporting.
+    fn add(&self, name: &'static str, kind: ChannelKind, n: u64) {
+        if !exporting() {
+            return;
+        }
+        let i = kind as usize;
+        self.0[i]
+            .get_or_init(|| metrics::counter!(name, "channel" => kind.name()))
+            .increment(n);
+    }
+}
+
+static FRAMES_SENT: PerChannel = PerChannel::new();
+static FRAMES_RECEIVED: PerChannel = PerChannel::new();
+static BYTES_SENT: PerChannel = PerChannel::new();
+static BYTES_RECEIVED: PerChannel = PerChannel::new();
+
+/// A frame handed to a link's medium.
+pub(crate) fn frame_sent(kind: ChannelKind) {
+    FRAMES_SENT.add("weft_transport_frames_sent_total", kind, 1);
+}
+
+/// A frame received from a link's medium.
+pub(crate) fn frame_received(kind: ChannelKind) {
+    FRAMES_RECEIVED.add("weft_transport_frames_received_total", kind, 1);
+}
+
+/// Encoded bytes written to a medium (shm, tcp; in-process frames move as
+/// values and have no bytes).
+pub(crate) fn bytes_sent(kind: ChannelKind, n: usize) {
+    BYTES_SENT.add("weft_transport_sent_bytes_total", kind, n as u64);
+}
+
+/// Bytes read from a medium.
+pub(crate) fn bytes_received(kind: ChannelKind, n: usize) {
+    BYTES_RECEIVED.add("weft_transport_received_bytes_total", kind, n as u64);
+}
+
 /// Expands to the same counter update for each channel, with the channel as
 /// a literal label, so that every key is static.
 macro_rules! per_channel {
@@ -40,27 +92,6 @@ macro_rules! per_channel {
             ChannelKind::Tcp => metrics::counter!($name, "channel" => "tcp").increment($n),
         }
     };
-}
-
-/// A frame handed to a link's medium.
-pub(crate) fn frame_sent(kind: ChannelKind) {
-    per_channel!(kind, "weft_transport_frames_sent_total", 1);
-}
-
-/// A frame received from a link's medium.
-pub(crate) fn frame_received(kind: ChannelKind) {
-    per_channel!(kind, "weft_transport_frames_received_total", 1);
-}
-
-/// Encoded bytes written to a medium (shm, tcp; in-process frames move as
-/// values and have no bytes).
-pub(crate) fn bytes_sent(kind: ChannelKind, n: usize) {
-    per_channel!(kind, "weft_transport_sent_bytes_total", n as u64);
-}
-
-/// Bytes read from a medium.
-pub(crate) fn bytes_received(kind: ChannelKind, n: usize) {
-    per_channel!(kind, "weft_transport_received_bytes_total", n as u64);
 }
 
 /// A link to a member node completed its handshake.
