@@ -379,3 +379,57 @@ fn top_once_json_lists_an_in_doubt_transaction_left_by_a_killed_coordinator() {
     assert!(out.contains(&tid) && out.contains("prepared!"), "{out}");
     drop(nodes);
 }
+
+#[test]
+fn group_sends_deliveries_and_replies_are_counted() {
+    let n1 = NodeProc::start(1, &["--secret", SECRET.1, "--metrics", "0"]);
+    let n2 = NodeProc::start(2, &["--secret", SECRET.1, "--join", &n1.addr]);
+    let m1 = metrics_addr(&n1);
+    let group = |args: &[&str], node: &str| {
+        let mut all = vec!["group"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--node", node, "--cluster-secret", SECRET.1]);
+        run(&all, &[])
+    };
+    let (code, _, err) = group(&["create", "m:room", "--secret", "gs"], &n1.addr);
+    assert_eq!(code, 0, "{err}");
+    // A member on node 2 answers every message.
+    let mut listener = weft()
+        .args(["group", "listen", "m:room", "--secret", "gs", "--reply", "pong"])
+        .args(["--node", &n2.addr, "--cluster-secret", SECRET.1])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("weft group listen starts");
+    let mut said = String::new();
+    let mut stderr = std::io::BufReader::new(listener.stderr.take().unwrap());
+    std::io::BufRead::read_line(&mut stderr, &mut said).unwrap();
+    assert!(said.contains("listening on m:room"), "{said}");
+    const SENDS: usize = 2;
+    for _ in 0..SENDS {
+        let (code, out, err) = group(&["send", "m:room", "ping", "--json"], &n1.addr);
+        assert_eq!(code, 0, "{out}{err}");
+    }
+    let (code, _, _) = group(&["send", "m:nobody", "hi"], &n1.addr);
+    assert_ne!(code, 0, "nobody created m:nobody");
+    let (_, _, body) = http_get(&m1, "/metrics");
+    let s = samples(&body);
+    assert_eq!(
+        value(&s, "weft_group_sends_total{status=\"Ok\"}"),
+        SENDS as f64,
+        "{body}"
+    );
+    assert_eq!(
+        sum(&s, "weft_group_sends_total", &[]),
+        SENDS as f64 + 1.0,
+        "the failed send is counted with its status: {body}"
+    );
+    assert_eq!(value(&s, "weft_group_deliveries_total"), SENDS as f64, "{body}");
+    assert_eq!(
+        value(&s, "weft_group_replies_total{status=\"Ok\"}"),
+        SENDS as f64,
+        "{body}"
+    );
+    let _ = listener.kill();
+    let _ = listener.wait();
+}

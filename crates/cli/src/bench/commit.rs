@@ -83,10 +83,35 @@ async fn scrape_every_second(
     (scrapes, bytes)
 }
 
+/// CPU time this process has used (user + system), from /proc/self/stat
+/// (clock ticks of 10 ms); `None` where it cannot be read.
+fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at state.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
+/// Runs the clients and returns (commits/s, CPU µs per commit).
+async fn run_measured(c: &Cluster, clients: usize, dur: Duration) -> (f64, Option<f64>) {
+    let cpu0 = process_cpu_seconds();
+    let r = run_clients(c, clients, dur, false).await;
+    let cpu = cpu0
+        .zip(process_cpu_seconds())
+        .filter(|_| r.commits > 0)
+        .map(|(a, b)| (b - a) * 1e6 / r.commits as f64);
+    (r.per_s, cpu)
+}
+
 /// What the metrics comparison measured.
 struct MetricsComparison {
     off: Vec<f64>,
     on: Vec<f64>,
+    cpu_off: Vec<f64>,
+    cpu_on: Vec<f64>,
     scrapes: u64,
     scrape_bytes: u64,
     series: usize,
@@ -109,6 +134,8 @@ async fn compare_metrics(
     let mut cmp = MetricsComparison {
         off: Vec::new(),
         on: Vec::new(),
+        cpu_off: Vec::new(),
+        cpu_on: Vec::new(),
         scrapes: 0,
         scrape_bytes: 0,
         series: 0,
@@ -118,14 +145,18 @@ async fn compare_metrics(
             "metrics comparison, round {round}/{rounds}: {clients} clients, metrics off"
         ));
         weft::metrics::set_recording(false);
-        cmp.off.push(run_clients(cluster, clients, dur, false).await.per_s);
+        let (tps, cpu) = run_measured(cluster, clients, dur).await;
+        cmp.off.push(tps);
+        cmp.cpu_off.extend(cpu);
         pb.set_message(format!(
             "metrics comparison, round {round}/{rounds}: {clients} clients, metrics on, scraped every second"
         ));
         weft::metrics::set_recording(true);
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let scraper = tokio::spawn(scrape_every_second(server.local_addr(), stop.clone()));
-        cmp.on.push(run_clients(cluster, clients, dur, false).await.per_s);
+        let (tps, cpu) = run_measured(cluster, clients, dur).await;
+        cmp.on.push(tps);
+        cmp.cpu_on.extend(cpu);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let (scrapes, bytes) = scraper.await.unwrap_or((0, 0));
         cmp.scrapes += scrapes;
@@ -343,6 +374,15 @@ pub async fn run(args: CommitArgs) -> anyhow::Result<()> {
             "ratio_commit_tps_metrics".into(),
             json!(r2(on / off.max(1e-9) * 100.0) / 100.0),
         );
+        let (cpu_off, cpu_on) = (mean(&m.cpu_off), mean(&m.cpu_on));
+        if cpu_off > 0.0 && cpu_on > 0.0 {
+            report.insert("cpu_us_per_commit".into(), json!(r2(cpu_off)));
+            report.insert("cpu_us_per_commit_metrics".into(), json!(r2(cpu_on)));
+            report.insert(
+                "ratio_cpu_per_commit_metrics".into(),
+                json!(r2(cpu_on / cpu_off * 1000.0) / 1000.0),
+            );
+        }
         report.insert("metrics_scrapes".into(), json!(m.scrapes));
         report.insert("metrics_scrape_bytes".into(), json!(m.scrape_bytes));
         report.insert("metrics_series".into(), json!(m.series));
@@ -424,6 +464,11 @@ pub async fn run(args: CommitArgs) -> anyhow::Result<()> {
             m.scrapes,
             m.series,
             m.scrape_bytes
+        );
+        println!(
+            "CPU µs per commit (whole process): metrics off {:?}, on {:?}",
+            m.cpu_off.iter().map(|x| x.round()).collect::<Vec<_>>(),
+            m.cpu_on.iter().map(|x| x.round()).collect::<Vec<_>>()
         );
     }
     println!("targets:");
