@@ -395,7 +395,9 @@ fn group_sends_deliveries_and_replies_are_counted() {
     assert_eq!(code, 0, "{err}");
     // A member on node 2 answers every message.
     let mut listener = weft()
-        .args(["group", "listen", "m:room", "--secret", "gs", "--reply", "pong"])
+        .args([
+            "group", "listen", "m:room", "--secret", "gs", "--reply", "pong",
+        ])
         .args(["--node", &n2.addr, "--cluster-secret", SECRET.1])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -424,7 +426,11 @@ fn group_sends_deliveries_and_replies_are_counted() {
         SENDS as f64 + 1.0,
         "the failed send is counted with its status: {body}"
     );
-    assert_eq!(value(&s, "weft_group_deliveries_total"), SENDS as f64, "{body}");
+    assert_eq!(
+        value(&s, "weft_group_deliveries_total"),
+        SENDS as f64,
+        "{body}"
+    );
     assert_eq!(
         value(&s, "weft_group_replies_total{status=\"Ok\"}"),
         SENDS as f64,

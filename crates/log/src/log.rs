@@ -142,8 +142,6 @@ impl Log {
                 let counters = &self.shared.counters;
                 add(&counters.appends, 1);
                 add(&counters.bytes_appended, payload.len() as u64);
-                metrics::counter!("weft_log_appends_total").increment(1);
-                metrics::counter!("weft_log_appended_bytes_total").increment(payload.len() as u64);
                 Ok(Lsn(lsn))
             }
             Err(e) => {

@@ -357,7 +357,6 @@ impl TxManager {
         match begun {
             Ok(tid) => {
                 inner.work.notify_one();
-                metrics::counter!("weft_tx_begun_total").increment(1);
                 tracing::debug!(%tid, "begin");
                 Ok(ctx(tid))
             }
@@ -678,21 +677,15 @@ impl TxManager {
     }
 }
 
-/// Counts a decision of this node as coordinator in the metrics registry
-/// (`weft_tx_committed_total`, `weft_tx_aborted_total{cause}`; see
-/// docs/metrics.md). A no-op when no metrics recorder is installed.
-fn count_decided(outcome: Option<Outcome>, cause: Option<Status>, read_only: bool) {
-    match outcome {
-        Some(Outcome::Aborted) => {
-            let cause = cause.unwrap_or(Status::Aborted).name();
-            metrics::counter!("weft_tx_aborted_total", "cause" => cause).increment(1);
-        }
-        Some(Outcome::Committed) | None => {
-            metrics::counter!("weft_tx_committed_total").increment(1);
-            if read_only || outcome.is_none() {
-                metrics::counter!("weft_tx_committed_read_only_total").increment(1);
-            }
-        }
+/// Counts an abort this node decided as coordinator in the metrics registry
+/// by cause (`weft_tx_aborted_total{cause}`, docs/metrics.md). Commits are
+/// not counted here: the exporter reads them from [`TmStats`] at each
+/// scrape, which keeps the commit path free of registry lookups. A no-op
+/// when no metrics recorder is installed.
+fn count_decided(outcome: Option<Outcome>, cause: Option<Status>) {
+    if outcome == Some(Outcome::Aborted) {
+        let cause = cause.unwrap_or(Status::Aborted).name();
+        metrics::counter!("weft_tx_aborted_total", "cause" => cause).increment(1);
     }
 }
 
@@ -916,9 +909,8 @@ impl TmInner {
                     tid,
                     outcome,
                     cause,
-                    read_only,
                 } => {
-                    count_decided(outcome, cause, read_only);
+                    count_decided(outcome, cause);
                     self.intents.lock().remove(&tid);
                     None
                 }

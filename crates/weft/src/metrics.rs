@@ -351,6 +351,26 @@ fn sample(watched: &Mutex<Vec<Weak<NodeInner>>>) {
             oldest_ms = oldest_ms.max(t.age_ms);
         }
     }
+    // Counters the transaction manager and the log keep anyway (`weft
+    // status` shows them), read here rather than counted twice on the
+    // commit path. They only grow (`absolute` keeps the maximum).
+    let (mut begun, mut committed, mut read_only, mut appends, mut bytes) = (0, 0, 0, 0, 0);
+    for n in &nodes {
+        let tm = n.tm().stats();
+        begun += tm.begun;
+        committed += tm.committed;
+        read_only += tm.committed_read_only;
+        let log = n.log().stats();
+        appends += log.appends;
+        bytes += log.bytes_appended;
+    }
+    if !nodes.is_empty() {
+        metrics::counter!("weft_tx_begun_total").absolute(begun);
+        metrics::counter!("weft_tx_committed_total").absolute(committed);
+        metrics::counter!("weft_tx_committed_read_only_total").absolute(read_only);
+        metrics::counter!("weft_log_appends_total").absolute(appends);
+        metrics::counter!("weft_log_appended_bytes_total").absolute(bytes);
+    }
     metrics::gauge!("weft_tx_in_flight").set(live as f64);
     metrics::gauge!("weft_tx_in_doubt").set(in_doubt as f64);
     metrics::gauge!("weft_tx_oldest_in_doubt_seconds").set(oldest_ms as f64 / 1000.0);

@@ -67,8 +67,7 @@ async fn scrape_every_second(
         let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
             continue;
         };
-        if s
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\n\r\n")
+        if s.write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\n\r\n")
             .await
             .is_err()
         {

@@ -552,8 +552,6 @@ pub enum Action<R> {
         /// Why it aborted (the status its commit call answers), for an
         /// abort; `None` for a commit.
         cause: Option<Status>,
-        /// True for a commit that wrote no log record anywhere here.
-        read_only: bool,
     },
     /// `tid` is no longer live here (the driver may drop what it keeps
     /// for it).
@@ -2455,7 +2453,6 @@ impl<R: ResourceRef> TmCore<R> {
             tid,
             outcome: Some(outcome),
             cause,
-            read_only: outcome == Outcome::Committed && !e.wrote_durable,
         });
         let result = outcome_result(tid, outcome, e.core.abort_cause());
         for waiter in std::mem::take(&mut e.waiters) {
