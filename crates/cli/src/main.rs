@@ -15,6 +15,7 @@ mod raid_cmd;
 mod sim_cmd;
 mod state_cmd;
 mod status_cmd;
+mod top_cmd;
 mod tx_cmd;
 
 use clap::{Parser, Subcommand};
@@ -38,6 +39,8 @@ enum Cmd {
     Node(node_cmd::NodeArgs),
     /// Show the cluster as one node sees it.
     Status(status_cmd::StatusArgs),
+    /// A live view of the cluster: rates, transactions, links.
+    Top(top_cmd::TopArgs),
     /// Call a service once (diagnostics).
     Call(call_cmd::CallArgs),
     /// Begin, commit, abort and inspect transactions.
@@ -95,6 +98,7 @@ fn main() {
             Cmd::Node(a) => node_cmd::run(a).await,
             Cmd::Raid(c) => raid_cmd::run(c).await,
             Cmd::Status(a) => status_cmd::run(a).await,
+            Cmd::Top(a) => top_cmd::run(a).await,
             Cmd::Call(a) => call_cmd::run(a).await,
             Cmd::Tx(c) => tx_cmd::run(c).await,
             Cmd::Kv(c) => kv_cmd::run(c).await,

@@ -6,6 +6,7 @@
 //! for it).
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -76,10 +77,34 @@ pub struct NodeArgs {
     /// How often to checkpoint (write what changed and truncate the log).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub checkpoint_every: Duration,
+    /// Serve Prometheus metrics at http://ADDR/metrics. ADDR is a port
+    /// (bound on 127.0.0.1) or host:port; without a value 127.0.0.1:9464.
+    /// Only the address given is bound: loopback unless you name another.
+    #[arg(long, value_name = "ADDR", num_args = 0..=1,
+        default_missing_value = DEFAULT_METRICS_ADDR, value_parser = parse_metrics_addr)]
+    pub metrics: Option<SocketAddr>,
     /// Test hook: stop transactions at this commit-protocol point and print
     /// `CRASHPOINT <point> <tid>` (a test then kills the node).
     #[arg(long, hide = true)]
     pub crash_at: Option<CrashPoint>,
+}
+
+/// Where this process serves metrics (set by [`NodeArgs::start`]).
+static METRICS_AT: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
+
+/// Where `--metrics` without a value listens: loopback only.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
+
+/// Parses a `--metrics` address: a bare port (or `:port`) means that port on
+/// 127.0.0.1, so the endpoint is never reachable from other hosts unless the
+/// user names a non-loopback address.
+pub fn parse_metrics_addr(s: &str) -> Result<SocketAddr, String> {
+    let s = s.trim();
+    let port = s.strip_prefix(':').unwrap_or(s);
+    if let Ok(p) = port.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], p)));
+    }
+    resolve(s).map_err(|e| format!("{e:#} (give a port, or host:port)"))
 }
 
 /// First and longest wait between two rounds over the --join members.
@@ -143,17 +168,36 @@ impl NodeArgs {
     ///
     /// Fails like [`NodeArgs::find_seed`], or with the step of the start
     /// that failed (a failed join keeps its status for the exit code).
+    ///
+    /// With --metrics, the metrics endpoint is bound first (a taken port
+    /// fails the start at once) and serves for the rest of the process;
+    /// [`announce`] prints its address after the ready line.
     pub async fn start(&self, b: NodeBuilder) -> anyhow::Result<Node> {
+        let metrics = match self.metrics {
+            Some(addr) => Some(
+                weft::metrics::serve(addr)
+                    .await
+                    .map_err(|e| anyhow::Error::new(e).context(format!("node {}", self.id)))?,
+            ),
+            None => None,
+        };
         let b = match self.find_seed().await? {
             Some(seed) => b.join(seed),
             None => b,
         };
-        b.start().await.map_err(|e| match e {
+        let node = b.start().await.map_err(|e| match e {
             NodeError::Join(f) => {
                 anyhow::Error::new(f).context(format!("node {} did not join", self.id))
             }
             other => anyhow::Error::new(other).context(format!("node {} did not start", self.id)),
-        })
+        })?;
+        if let Some(m) = metrics {
+            m.watch(&node);
+            let _ = METRICS_AT.set(m.local_addr());
+            // One node per process here: the endpoint lives as long as it.
+            std::mem::forget(m);
+        }
+        Ok(node)
     }
 
     /// The node builder these flags describe (plugins and the join not
@@ -241,7 +285,8 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prints the ready line: `weft node <id> incarnation <n> listening on <addr>`.
+/// Prints the ready line: `weft node <id> incarnation <n> listening on <addr>`,
+/// then, with --metrics, `weft node <id> metrics on http://<addr>/metrics`.
 pub fn announce(node: &Node) {
     let addr = node
         .addr()
@@ -259,6 +304,13 @@ pub fn announce(node: &Node) {
         rec.redriven.len(),
         rec.in_doubt.len()
     );
+    if let Some(addr) = METRICS_AT.get() {
+        let _ = writeln!(
+            out,
+            "weft node {} metrics on http://{addr}/metrics",
+            node.id()
+        );
+    }
     let _ = out.flush();
 }
 
@@ -300,6 +352,33 @@ mod tests {
         assert!(!off.shm);
         assert!(Cmd::try_parse_from(["weft", "--id", "1", "--shm", "maybe"]).is_err());
         assert_eq!(parse_on_off("OFF"), Ok(false));
+        assert_eq!(parse_on_off("yes"), Ok(true));
+    }
+
+    #[test]
+    fn the_metrics_endpoint_binds_to_loopback_unless_told_otherwise() {
+        let none = Cmd::try_parse_from(["weft", "--id", "1"]).unwrap().node;
+        assert_eq!(none.metrics, None, "no endpoint unless asked for");
+        let bare = Cmd::try_parse_from(["weft", "--id", "1", "--metrics"])
+            .unwrap()
+            .node;
+        assert_eq!(bare.metrics, Some("127.0.0.1:9464".parse().unwrap()));
+        for port in ["9100", ":9100"] {
+            let p = Cmd::try_parse_from(["weft", "--id", "1", "--metrics", port])
+                .unwrap()
+                .node;
+            let addr = p.metrics.unwrap();
+            assert!(addr.ip().is_loopback(), "{port} binds {addr}");
+            assert_eq!(addr.port(), 9100);
+        }
+        let all = Cmd::try_parse_from(["weft", "--id", "1", "--metrics", "0.0.0.0:9100"])
+            .unwrap()
+            .node;
+        assert!(
+            all.metrics.unwrap().ip().is_unspecified(),
+            "only when asked"
+        );
+        assert!(Cmd::try_parse_from(["weft", "--id", "1", "--metrics", "no:such:port"]).is_err());
         assert_eq!(parse_on_off("yes"), Ok(true));
     }
 }

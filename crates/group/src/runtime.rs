@@ -1221,7 +1221,12 @@ impl GroupSender {
         if let GroupId::Tx(tid) = gid {
             span.record("tid", tracing::field::display(tid));
         }
-        self.send_inner(gid, tag, payload).instrument(span).await
+        let result = self.send_inner(gid, tag, payload).instrument(span).await;
+        if let Ok(n) = &result {
+            metrics::counter!("weft_group_deliveries_total").increment(*n as u64);
+        }
+        count_status("weft_group_sends_total", result.as_ref().map(|_| ()));
+        result
     }
 
     async fn send_inner(
@@ -1321,6 +1326,12 @@ impl GroupSender {
     /// communication is over (every wanted reply taken, replies set to 0,
     /// superseded, or no send).
     pub async fn next_reply(&self, gid: &GroupId, timeout: Duration) -> Result<Reply, Failure> {
+        let result = self.next_reply_inner(gid, timeout).await;
+        count_status("weft_group_replies_total", result.as_ref().map(|_| ()));
+        result
+    }
+
+    async fn next_reply_inner(&self, gid: &GroupId, timeout: Duration) -> Result<Reply, Failure> {
         let deadline = deadline_after(Instant::now(), timeout);
         loop {
             let mut notified = pin!(self.notify.notified());
@@ -1406,4 +1417,18 @@ impl Drop for GroupSender {
                 core.drop_sender(id, out)
             });
     }
+}
+
+/// Counts one outcome of a group operation in the counter `name` with a
+/// `status` label (docs/metrics.md), only while an exporter is installed
+/// (the label is not a literal).
+fn count_status(name: &'static str, result: Result<(), &Failure>) {
+    if !weft_transport::metrics::exporting() {
+        return;
+    }
+    let status = match result {
+        Ok(()) => Status::Ok,
+        Err(f) => f.status,
+    };
+    metrics::counter!(name, "status" => status.name()).increment(1);
 }

@@ -31,6 +31,8 @@ pub(crate) struct Flusher {
     unsynced: bool,
     /// fdatasyncs attempted so far (for fault injection).
     sync_attempts: u64,
+    /// Records appended when the last sync's batch was taken.
+    synced_records: u64,
 }
 
 impl Flusher {
@@ -47,6 +49,7 @@ impl Flusher {
             active,
             unsynced: false,
             sync_attempts: 0,
+            synced_records: 0,
         };
         std::thread::Builder::new()
             .name("weft-log-flusher".to_string())
@@ -68,6 +71,8 @@ impl Flusher {
                 }
                 Plan::Flush { sync } => {
                     let mut batch = st.take_batch();
+                    // Every record appended so far is in this batch or an earlier one.
+                    let appended = st.appended;
                     let result = MutexGuard::unlocked(&mut st, || self.write(&batch.chunks, sync));
                     for chunk in batch.chunks.drain(..) {
                         st.recycle(chunk.bytes);
@@ -76,6 +81,12 @@ impl Flusher {
                         Ok(created) => {
                             st.segments.extend(created);
                             if sync {
+                                let records = appended.saturating_sub(self.synced_records);
+                                self.synced_records = appended;
+                                if records > 0 {
+                                    metrics::histogram!("weft_log_records_per_force")
+                                        .record(records as f64);
+                                }
                                 st.publish_durable(batch.last_lsn, batch.end, Instant::now());
                                 shared.announce(&st);
                             }
@@ -173,8 +184,11 @@ impl Flusher {
             )
         })?;
         let counters = &self.shared.counters;
+        let took = started.elapsed();
         add(&counters.syncs, 1);
-        add(&counters.sync_micros, started.elapsed().as_micros() as u64);
+        add(&counters.sync_micros, took.as_micros() as u64);
+        metrics::counter!("weft_log_forces_total").increment(1);
+        metrics::histogram!("weft_log_force_duration_seconds").record(took.as_secs_f64());
         self.unsynced = false;
         Ok(())
     }

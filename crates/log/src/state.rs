@@ -114,6 +114,9 @@ pub(crate) struct State {
     pub poisoned: Option<String>,
     /// Buffers the flusher gave back, reused by appends.
     pub spare: Vec<Vec<u8>>,
+    /// Records appended since the log was opened (the flusher reports how
+    /// many each sync made durable).
+    pub appended: u64,
 }
 
 /// Rate estimate before any force request: one per second (no batching).
@@ -157,6 +160,7 @@ impl State {
             stopped: false,
             poisoned: None,
             spare: Vec::new(),
+            appended: 0,
         }
     }
 
@@ -230,6 +234,7 @@ impl State {
 
         self.seg_offset += total as u64;
         self.last_lsn = lsn;
+        self.appended += 1;
         let before = self.pending_bytes;
         self.pending_bytes += total;
         let wake =

@@ -549,9 +549,15 @@ impl RequestHandler for Dispatch {
             Some(t) => tracing::debug_span!("serve", tid = %t.tid, service = %request.service),
             None => tracing::debug_span!("serve", service = %request.service),
         };
+        // A relayed call is counted by the node that serves it.
+        let counted =
+            (!relay && weft_transport::metrics::exporting()).then(|| request.service.clone());
         let fut: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(
             async move {
                 let resp = rpc.serve(from, request).await;
+                if let Some(service) = counted {
+                    count_call(&service, resp.status, from.channel);
+                }
                 responder.respond(resp);
             }
             .instrument(span),
@@ -571,12 +577,14 @@ impl Rpc {
         let span = tracing::debug_span!("serve", service = %req.service);
         let _entered = span.enter();
         let Some(service) = self.service(&req.service, req.instance) else {
+            count_call(&req.service, Status::NoSuchService, from.channel);
             responder.respond(Response::failure(
                 0,
                 self.no_such_service(&req.service, req.instance),
             ));
             return;
         };
+        let counted = weft_transport::metrics::exporting().then(|| req.service.clone());
         let deadline = req
             .budget_us
             .map(|us| Instant::now() + Duration::from_micros(us));
@@ -589,7 +597,11 @@ impl Rpc {
         let mut fut = run_handler(service, ctx, req.payload);
         let mut cx = Context::from_waker(futures::task::noop_waker_ref());
         if let Poll::Ready(result) = Pin::new(&mut fut).poll(&mut cx) {
-            responder.respond(plain_response(result));
+            let resp = plain_response(result);
+            if let Some(service) = &counted {
+                count_call(service, resp.status, from.channel);
+            }
+            responder.respond(resp);
             return;
         }
         drop(_entered);
@@ -601,11 +613,34 @@ impl Rpc {
                         .unwrap_or_else(|_| Err(handler_timed_out())),
                     None => fut.await,
                 };
-                responder.respond(plain_response(result));
+                let resp = plain_response(result);
+                if let Some(service) = &counted {
+                    count_call(service, resp.status, from.channel);
+                }
+                responder.respond(resp);
             }
             .instrument(span),
         );
     }
+}
+
+/// Counts a served call in `weft_rpc_calls_total{service,status,channel}`
+/// (docs/metrics.md), only while an exporter is installed: the service's
+/// label is built from its name. A call to a service this node does not
+/// have counts as `service="_unknown"`, so that a caller cannot grow the
+/// registry by inventing names.
+fn count_call(service: &ServiceName, status: Status, channel: weft_transport::ChannelKind) {
+    if !weft_transport::metrics::exporting() {
+        return;
+    }
+    let service = if status == Status::NoSuchService {
+        "_unknown".to_string()
+    } else {
+        service.as_str().to_string()
+    };
+    metrics::counter!("weft_rpc_calls_total",
+        "service" => service, "status" => status.name(), "channel" => channel.name())
+    .increment(1);
 }
 
 /// The response carrying a handler's result, with no transaction return

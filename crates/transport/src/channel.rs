@@ -20,13 +20,20 @@ pub enum ChannelKind {
     Tcp,
 }
 
-impl fmt::Display for ChannelKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl ChannelKind {
+    /// The kind's name: `inproc`, `shm` or `tcp`.
+    pub fn name(self) -> &'static str {
+        match self {
             ChannelKind::Inproc => "inproc",
             ChannelKind::Shm => "shm",
             ChannelKind::Tcp => "tcp",
-        })
+        }
+    }
+}
+
+impl fmt::Display for ChannelKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -1114,6 +1114,7 @@ impl Inner {
         if peer.role == PeerRole::Client {
             return;
         }
+        crate::metrics::link_up(link.kind());
         if link.kind() == ChannelKind::Shm {
             // Said once per link: shared memory ignores the network between
             // the two, so no network partition cuts this link.
@@ -1207,6 +1208,9 @@ impl Inner {
         reason: &str,
     ) {
         self.links.lock().remove(&link.id);
+        if peer.is_some_and(|p| p.role == PeerRole::Node) {
+            crate::metrics::link_down(link.kind(), cause);
+        }
         if matches!(
             cause,
             Status::WrongSecret

@@ -11,6 +11,7 @@ pub mod fault;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod host;
+pub mod metrics;
 pub mod naming;
 pub mod shm;
 

@@ -252,6 +252,7 @@ impl Link {
             return Ok(()); // a crashed node sends nothing, silently
         }
         self.stats.count_sent(frame.kind());
+        crate::metrics::frame_sent(self.kind);
         let Some((plan, me, generation)) = &self.fault else {
             return io.send(frame);
         };
@@ -327,6 +328,7 @@ impl Link {
         if ep.is_crashed() || self.is_closed() {
             return;
         }
+        crate::metrics::frame_received(self.kind);
         if let Some(peer) = self.up.get() {
             let _delivering = Delivering::enter(self);
             self.dispatch(&ep, *peer, frame);

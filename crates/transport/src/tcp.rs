@@ -290,6 +290,7 @@ impl TcpIo {
                         ready.clear_ready();
                     }
                     drop(ready);
+                    crate::metrics::bytes_received(ChannelKind::Tcp, n);
                     buf.extend_from_slice(&chunk[..n]);
                     let mut whole = false;
                     loop {
@@ -366,7 +367,9 @@ impl LinkIo for TcpIo {
             let max = self.peer_max_frame.load(Ordering::Relaxed);
             let max_message = self.peer_max_message.load(Ordering::Relaxed);
             let id = self.next_message_id.fetch_add(1, Ordering::Relaxed);
+            let before = st.buf.len();
             encode_message(&frame, max, max_message, id, &mut st.buf).map_err(io_error)?;
+            crate::metrics::bytes_sent(ChannelKind::Tcp, st.buf.len() - before);
             if st.writer != Writer::Idle {
                 return Ok(()); // the writer of the moment picks it up
             }

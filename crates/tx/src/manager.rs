@@ -455,6 +455,16 @@ impl TxManager {
     /// for a No vote or an abort by any participant; InDoubt when the
     /// commit record could not be forced (the log failed).
     pub async fn commit(&self, tid: Tid) -> Result<(), Failure> {
+        let started = Instant::now();
+        let result = self.commit_inner(tid).await;
+        if result.is_ok() {
+            metrics::histogram!("weft_tx_commit_duration_seconds")
+                .record(started.elapsed().as_secs_f64());
+        }
+        result
+    }
+
+    async fn commit_inner(&self, tid: Tid) -> Result<(), Failure> {
         let inner = &self.inner;
         let waiter = inner.ids.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -664,6 +674,18 @@ impl TxManager {
     /// Feeds a tick now (tests use it to avoid waiting for the timer).
     pub async fn tick(&self) {
         self.inner.feed(Event::Tick).await;
+    }
+}
+
+/// Counts an abort this node decided as coordinator in the metrics registry
+/// by cause (`weft_tx_aborted_total{cause}`, docs/metrics.md). Commits are
+/// not counted here: the exporter reads them from [`TmStats`] at each
+/// scrape, which keeps the commit path free of registry lookups. A no-op
+/// when no metrics recorder is installed.
+fn count_decided(outcome: Option<Outcome>, cause: Option<Status>) {
+    if outcome == Some(Outcome::Aborted) {
+        let cause = cause.unwrap_or(Status::Aborted).name();
+        metrics::counter!("weft_tx_aborted_total", "cause" => cause).increment(1);
     }
 }
 
@@ -883,7 +905,16 @@ impl TmInner {
                     }
                     None
                 }
-                Action::Decided { tid, .. } | Action::Forgotten { tid } => {
+                Action::Decided {
+                    tid,
+                    outcome,
+                    cause,
+                } => {
+                    count_decided(outcome, cause);
+                    self.intents.lock().remove(&tid);
+                    None
+                }
+                Action::Forgotten { tid } => {
                     self.intents.lock().remove(&tid);
                     None
                 }

@@ -18,6 +18,7 @@
 //! ```
 
 pub mod admin;
+pub mod metrics;
 mod node;
 
 pub use node::{Node, NodeBuilder, NodeError};

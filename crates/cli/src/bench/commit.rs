@@ -45,6 +45,129 @@ pub struct CommitArgs {
     /// the log's default when absent.
     #[arg(long, value_parser = parse_duration)]
     pub group_commit_delay: Option<Duration>,
+    /// Rounds of the metrics comparison at the largest --clients: each
+    /// round runs once with metrics off and once with the Prometheus
+    /// recorder on and `/metrics` scraped every second (0: skip it).
+    #[arg(long, default_value_t = 2)]
+    pub metrics_rounds: usize,
+}
+
+/// Scrapes `addr` `/metrics` every second until `stop` is set; returns the
+/// scrapes that succeeded and the bytes they read.
+async fn scrape_every_second(
+    addr: std::net::SocketAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> (u64, u64) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut scrapes, mut bytes) = (0u64, 0u64);
+    let mut every = tokio::time::interval(Duration::from_secs(1));
+    while !stop.load(Ordering::Relaxed) {
+        every.tick().await;
+        let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+            continue;
+        };
+        if s.write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\n\r\n")
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        let mut body = Vec::new();
+        if s.read_to_end(&mut body).await.is_ok() && body.starts_with(b"HTTP/1.1 200") {
+            scrapes += 1;
+            bytes += body.len() as u64;
+        }
+    }
+    (scrapes, bytes)
+}
+
+/// CPU time this process has used (user + system), from /proc/self/stat
+/// (clock ticks of 10 ms); `None` where it cannot be read.
+fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at state.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
+/// Runs the clients and returns (commits/s, CPU µs per commit).
+async fn run_measured(c: &Cluster, clients: usize, dur: Duration) -> (f64, Option<f64>) {
+    let cpu0 = process_cpu_seconds();
+    let r = run_clients(c, clients, dur, false).await;
+    let cpu = cpu0
+        .zip(process_cpu_seconds())
+        .filter(|_| r.commits > 0)
+        .map(|(a, b)| (b - a) * 1e6 / r.commits as f64);
+    (r.per_s, cpu)
+}
+
+/// What the metrics comparison measured.
+struct MetricsComparison {
+    off: Vec<f64>,
+    on: Vec<f64>,
+    cpu_off: Vec<f64>,
+    cpu_on: Vec<f64>,
+    scrapes: u64,
+    scrape_bytes: u64,
+    series: usize,
+}
+
+/// Runs `rounds` pairs of runs at `clients`, metrics off then on (the
+/// recorder is installed once; off, every update is a no-op), scraping
+/// every second while on.
+async fn compare_metrics(
+    cluster: &Cluster,
+    clients: usize,
+    dur: Duration,
+    rounds: usize,
+    pb: &indicatif::ProgressBar,
+) -> anyhow::Result<MetricsComparison> {
+    let server = weft::metrics::serve(([127, 0, 0, 1], 0).into()).await?;
+    for n in &cluster.nodes {
+        server.watch(n);
+    }
+    let mut cmp = MetricsComparison {
+        off: Vec::new(),
+        on: Vec::new(),
+        cpu_off: Vec::new(),
+        cpu_on: Vec::new(),
+        scrapes: 0,
+        scrape_bytes: 0,
+        series: 0,
+    };
+    for round in 1..=rounds {
+        pb.set_message(format!(
+            "metrics comparison, round {round}/{rounds}: {clients} clients, metrics off"
+        ));
+        weft::metrics::set_recording(false);
+        let (tps, cpu) = run_measured(cluster, clients, dur).await;
+        cmp.off.push(tps);
+        cmp.cpu_off.extend(cpu);
+        pb.set_message(format!(
+            "metrics comparison, round {round}/{rounds}: {clients} clients, metrics on, scraped every second"
+        ));
+        weft::metrics::set_recording(true);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let scraper = tokio::spawn(scrape_every_second(server.local_addr(), stop.clone()));
+        let (tps, cpu) = run_measured(cluster, clients, dur).await;
+        cmp.on.push(tps);
+        cmp.cpu_on.extend(cpu);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (scrapes, bytes) = scraper.await.unwrap_or((0, 0));
+        cmp.scrapes += scrapes;
+        cmp.scrape_bytes += bytes;
+    }
+    let body = weft::metrics::install()?.render();
+    cmp.series = body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .count();
+    weft::metrics::set_recording(false);
+    Ok(cmp)
 }
 
 /// What one run measured.
@@ -223,6 +346,49 @@ pub async fn run(args: CommitArgs) -> anyhow::Result<()> {
         json!(r2(ro.messages_per_commit)),
     );
     rows.push((format!("weft read-only, {ro_clients} clients"), ro));
+    let metrics_clients = *args.clients.iter().max().unwrap_or(&64);
+    let metrics = if args.metrics_rounds > 0 {
+        let m = compare_metrics(
+            &cluster,
+            metrics_clients,
+            args.duration,
+            args.metrics_rounds,
+            &pb,
+        )
+        .await?;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let (off, on) = (mean(&m.off), mean(&m.on));
+        report.insert("metrics_clients".into(), json!(metrics_clients));
+        report.insert("commit_tps".into(), json!(r2(off)));
+        report.insert("commit_tps_metrics".into(), json!(r2(on)));
+        report.insert(
+            "commit_tps_rounds".into(),
+            json!(m.off.iter().map(|x| r2(*x)).collect::<Vec<_>>()),
+        );
+        report.insert(
+            "commit_tps_metrics_rounds".into(),
+            json!(m.on.iter().map(|x| r2(*x)).collect::<Vec<_>>()),
+        );
+        report.insert(
+            "ratio_commit_tps_metrics".into(),
+            json!(r2(on / off.max(1e-9) * 100.0) / 100.0),
+        );
+        let (cpu_off, cpu_on) = (mean(&m.cpu_off), mean(&m.cpu_on));
+        if cpu_off > 0.0 && cpu_on > 0.0 {
+            report.insert("cpu_us_per_commit".into(), json!(r2(cpu_off)));
+            report.insert("cpu_us_per_commit_metrics".into(), json!(r2(cpu_on)));
+            report.insert(
+                "ratio_cpu_per_commit_metrics".into(),
+                json!(r2(cpu_on / cpu_off * 1000.0) / 1000.0),
+            );
+        }
+        report.insert("metrics_scrapes".into(), json!(m.scrapes));
+        report.insert("metrics_scrape_bytes".into(), json!(m.scrape_bytes));
+        report.insert("metrics_series".into(), json!(m.series));
+        Some((off, on, m))
+    } else {
+        None
+    };
     for n in &cluster.nodes {
         n.shutdown().await;
     }
@@ -282,8 +448,41 @@ pub async fn run(args: CommitArgs) -> anyhow::Result<()> {
             r.errors
         );
     }
+    if let Some((off, on, m)) = &metrics {
+        println!(
+            "{:<32} {:>10.0} (rounds {:?})",
+            format!("metrics off, {metrics_clients} clients"),
+            off,
+            m.off.iter().map(|x| x.round()).collect::<Vec<_>>()
+        );
+        println!(
+            "{:<32} {:>10.0} (rounds {:?}; {} scrapes, {} series, {} bytes)",
+            format!("metrics on, {metrics_clients} clients"),
+            on,
+            m.on.iter().map(|x| x.round()).collect::<Vec<_>>(),
+            m.scrapes,
+            m.series,
+            m.scrape_bytes
+        );
+        println!(
+            "CPU µs per commit (whole process): metrics off {:?}, on {:?}",
+            m.cpu_off.iter().map(|x| x.round()).collect::<Vec<_>>(),
+            m.cpu_on.iter().map(|x| x.round()).collect::<Vec<_>>()
+        );
+    }
     println!("targets:");
     let mut met = serde_json::Map::new();
+    if let Some((off, on, _)) = &metrics {
+        met.insert(
+            "commit_tps_metrics".into(),
+            json!(check(
+                "commit_tps_metrics / commit_tps",
+                on / off.max(1e-9),
+                ">=",
+                0.98
+            )),
+        );
+    }
     if let Some(r) = rows
         .iter()
         .find(|(n, _)| n == "weft, 64 clients")

@@ -216,6 +216,8 @@ where
             }
         };
         bump(&self.counters.waits);
+        metrics::counter!("weft_lock_waits_total").increment(1);
+        let waiting_since = std::time::Instant::now();
         tracing::trace!(wait = %id, ?key, %mode, "lock request queued");
         let mut pending = PendingWait {
             manager: self,
@@ -224,6 +226,8 @@ where
         };
         let outcome = tokio::time::timeout(wait_bound, &mut rx).await;
         pending.armed = false;
+        metrics::histogram!("weft_lock_wait_duration_seconds")
+            .record(waiting_since.elapsed().as_secs_f64());
         match outcome {
             Ok(Ok(())) => {
                 bump(&self.counters.grants);
@@ -245,6 +249,7 @@ where
                         drop(state);
                         bump(&self.counters.timeouts);
                         bump(&self.counters.conflicts);
+                        metrics::counter!("weft_lock_conflicts_total").increment(1);
                         tracing::debug!(wait = %id, %err, ?wait_bound, "lock wait timed out");
                         Err(err)
                     }
@@ -277,7 +282,10 @@ where
         let result = self.state.lock().table.try_acquire(owner, key, mode);
         match &result {
             Ok(()) => bump(&self.counters.grants),
-            Err(LockError::Conflict { .. }) => bump(&self.counters.conflicts),
+            Err(LockError::Conflict { .. }) => {
+                bump(&self.counters.conflicts);
+                metrics::counter!("weft_lock_conflicts_total").increment(1);
+            }
             Err(_) => {}
         }
         result

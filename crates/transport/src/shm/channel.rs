@@ -285,6 +285,7 @@ impl Channel {
             out.buf.truncate(start);
             return Err(io_error(e));
         }
+        crate::metrics::bytes_sent(crate::channel::ChannelKind::Shm, out.buf.len() - start);
         if let Err(e) = self.flush(&mut out) {
             drop(out);
             self.fail_ring(e);
@@ -446,6 +447,7 @@ impl Channel {
         if n == 0 {
             return false;
         }
+        crate::metrics::bytes_received(crate::channel::ChannelKind::Shm, n);
         self.seen_tail.store(inc.ring.tail(), Ordering::Release);
         // No fence: a missed request is caught by the producer's nap.
         if ring.space_wanted.load(Ordering::Relaxed) != 0 {

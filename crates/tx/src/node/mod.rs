@@ -549,6 +549,9 @@ pub enum Action<R> {
         tid: Tid,
         /// The outcome (`None` read-only).
         outcome: Option<Outcome>,
+        /// Why it aborted (the status its commit call answers), for an
+        /// abort; `None` for a commit.
+        cause: Option<Status>,
     },
     /// `tid` is no longer live here (the driver may drop what it keeps
     /// for it).
@@ -2442,9 +2445,14 @@ impl<R: ResourceRef> TmCore<R> {
             }
             Outcome::Aborted => self.stats.aborted += 1,
         }
+        let cause = match outcome {
+            Outcome::Committed => None,
+            Outcome::Aborted => Some(e.core.abort_cause().map_or(Status::Aborted, |(s, _)| s)),
+        };
         out.push(Action::Decided {
             tid,
             outcome: Some(outcome),
+            cause,
         });
         let result = outcome_result(tid, outcome, e.core.abort_cause());
         for waiter in std::mem::take(&mut e.waiters) {
