@@ -341,13 +341,95 @@ fn a_crash_after_a_spill_reverts_to_the_last_checkpoint() {
     assert_eq!(contents(&opened.store), BTreeMap::from([(b("a"), b("1"))]));
 }
 
+fn merge(store: &mut DiskStore) -> Result<bool, String> {
+    let Some(job) = store.begin_merge().map_err(|e| e.to_string())? else {
+        return Ok(false);
+    };
+    let res = job.write().map_err(|e| e.to_string());
+    store.end_merge(res.is_ok()).map_err(|e| e.to_string())?;
+    res.map(|()| true)
+}
+
+/// The state of [`scenario`] after its checkpoint, on a fresh disk, with
+/// one more checkpoint of further changes; then a merge of every delta,
+/// armed to die after `die_at` operations. Returns the disk, the merge's
+/// operations and whether it returned Ok.
+fn merge_scenario(die_at: Option<u64>) -> (Arc<Mutex<SimDisk>>, u64, bool) {
+    let (disk, _, ok) = scenario(None);
+    assert!(ok);
+    let mut store = open(&disk).store;
+    for i in 340..360u32 {
+        store.apply(b(format!("k{i:04}")), Some(b("late")));
+    }
+    store.apply(b("k0000"), None);
+    checkpoint(&mut store, 300, &[]).unwrap();
+    let before = disk.lock().ops;
+    disk.lock().die_at = die_at.map(|d| before + d);
+    let ok = merge(&mut store).is_ok_and(|merged| merged);
+    let ops = disk.lock().ops - before;
+    drop(store);
+    (disk, ops, ok)
+}
+
+fn merge_model() -> BTreeMap<Bytes, Bytes> {
+    let mut m = model(true);
+    for i in 340..360u32 {
+        m.insert(b(format!("k{i:04}")), b("late"));
+    }
+    m.remove(&b("k0000"));
+    m
+}
+
+/// A merge changes no content: a crash after each of its operations, with
+/// unsynced writes lost, kept or half kept, reopens the engine with the
+/// same data and the same checkpoint position, whether the merge took
+/// effect or not; and the next flush drops the merged deltas.
+#[test]
+fn a_crash_at_every_point_of_a_merge_changes_nothing() {
+    let (disk, total, ok) = merge_scenario(None);
+    assert!(ok && total > 2, "the merge makes {total} operations");
+    let want = merge_model();
+    {
+        let mut opened = open(&disk);
+        assert_eq!(opened.store.delta_stats().0, 0, "every delta merged");
+        assert_eq!(contents(&opened.store), want);
+        checkpoint(&mut opened.store, 301, &[]).unwrap();
+        assert_eq!(contents(&opened.store), want, "merged deltas dropped, content kept");
+    }
+    for die_at in 0..=total {
+        for keep_mode in 0..3u64 {
+            let seed = die_at * 3 + keep_mode;
+            let (disk, _, ok) = merge_scenario(Some(die_at));
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            disk.lock().crash(|| match keep_mode {
+                0 => false,
+                1 => true,
+                _ => rng.gen_bool(0.5),
+            });
+            let ctx = format!("crash after op {die_at}/{total} of a merge, keep mode {keep_mode}, seed {seed}, merge returned ok={ok}");
+            let mut opened = open(&disk);
+            assert_eq!(opened.lsn, Some(300), "{ctx}");
+            assert_eq!(contents(&opened.store), want, "{ctx}");
+            if ok {
+                assert_eq!(opened.store.delta_stats().0, 0, "{ctx}: a merge that returned Ok was lost");
+            }
+            assert_eq!(opened.store.key_count().unwrap(), want.len() as u64, "{ctx}");
+            // Merging again (or for the first time) still changes nothing.
+            merge(&mut opened.store).unwrap();
+            assert_eq!(contents(&opened.store), want, "{ctx}: merged again");
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Step {
     Put(u16, u8),
     Delete(u16),
     Spill,
     Checkpoint,
-    /// Crash and reopen: back to the last checkpoint.
+    /// Merge the deltas into the main table.
+    Merge,
+    /// Crash and reopen: back to the last checkpoint (or the last merge).
     Crash,
     Scan(u16, u16, u8),
 }
@@ -358,6 +440,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (0u16..2000).prop_map(Step::Delete),
         1 => Just(Step::Spill),
         1 => Just(Step::Checkpoint),
+        1 => Just(Step::Merge),
         1 => Just(Step::Crash),
         2 => (0u16..2000, 0u16..2000, 1u8..50).prop_map(|(a, z, n)| Step::Scan(a, z, n)),
     ]
@@ -391,6 +474,8 @@ proptest! {
         let mut store = reopen();
         let mut live: BTreeMap<Bytes, Bytes> = BTreeMap::new();
         let mut durable = live.clone();
+        // The state as of the last flush (what a merge makes durable).
+        let mut flushed = live.clone();
         let mut lsn = 0;
         for (i, s) in steps.iter().enumerate() {
             match s {
@@ -407,11 +492,21 @@ proptest! {
                     let res = job.write(None);
                     store.end_flush(res.is_ok()).unwrap();
                     res.unwrap();
+                    flushed = live.clone();
                 }
                 Step::Checkpoint => {
                     lsn += 1;
                     checkpoint(&mut store, lsn, &[]).unwrap();
                     durable = live.clone();
+                    flushed = live.clone();
+                }
+                Step::Merge => {
+                    // A merge is durable and may carry spills: after a
+                    // crash the engine is at least as new as the merge
+                    // (recovery replays the log over it).
+                    if merge(&mut store).unwrap() {
+                        durable = flushed.clone();
+                    }
                 }
                 Step::Crash => {
                     // The process dies: the engine's drop cannot write.
@@ -421,6 +516,7 @@ proptest! {
                     disk.lock().crash(|| false);
                     store = reopen();
                     live = durable.clone();
+                    flushed = durable.clone();
                 }
                 Step::Scan(a, z, n) => {
                     let (a, z) = (key(*a.min(z)), key(*a.max(z)));
@@ -441,6 +537,7 @@ proptest! {
                 let job = store.begin_flush().unwrap();
                 job.write(None).unwrap();
                 store.end_flush(true).unwrap();
+                flushed = live.clone();
             }
             if i % 16 == 0 {
                 for k in (0u16..2000).step_by(97) {
