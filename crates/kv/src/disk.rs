@@ -345,7 +345,11 @@ fn open_file(
     }
 }
 
-fn read_u64(path: &Path, v: Option<redb::AccessGuard<'_, &[u8]>>, what: &str) -> Result<Option<u64>, DiskError> {
+fn read_u64(
+    path: &Path,
+    v: Option<redb::AccessGuard<'_, &[u8]>>,
+    what: &str,
+) -> Result<Option<u64>, DiskError> {
     v.map(|v| {
         v.value()
             .try_into()
@@ -388,7 +392,10 @@ fn walk<'a>(
         let value = if delta {
             decode_delta(v.value()).ok_or_else(|| DiskError::Corrupt {
                 path: path.to_path_buf(),
-                reason: format!("a delta value of {} bytes with no valid tag", v.value().len()),
+                reason: format!(
+                    "a delta value of {} bytes with no valid tag",
+                    v.value().len()
+                ),
             })?
         } else {
             Some(Bytes::copy_from_slice(v.value()))
@@ -410,11 +417,10 @@ fn merge_walk<'a>(
         let mut min: Option<Bytes> = None;
         for l in layers.iter_mut() {
             match l.peek() {
-                Some(Ok((k, _))) => {
-                    if min.as_ref().is_none_or(|m| k < m) {
-                        min = Some(k.clone());
-                    }
+                Some(Ok((k, _))) if min.as_ref().is_none_or(|m| k < m) => {
+                    min = Some(k.clone());
                 }
+                Some(Ok(_)) => {}
                 Some(Err(_)) => {
                     return Err(l.next().and_then(Result::err).expect("peeked an error"));
                 }
@@ -441,7 +447,10 @@ fn merge_walk<'a>(
 }
 
 fn overlay_walk<'a>(o: &'a Overlay, start: &Bytes) -> Box<dyn Iterator<Item = Entry> + 'a> {
-    Box::new(o.range(start.clone()..).map(|(k, v)| Ok((k.clone(), v.clone()))))
+    Box::new(
+        o.range(start.clone()..)
+            .map(|(k, v)| Ok((k.clone(), v.clone()))),
+    )
 }
 
 impl DiskStore {
@@ -906,7 +915,9 @@ impl MergeJob {
     pub fn entries(&self) -> Result<u64, DiskError> {
         let mut n = 0;
         for (_, t) in &self.deltas {
-            n += t.len().map_err(|e| engine_error(&self.delta_path)(e.into()))?;
+            n += t
+                .len()
+                .map_err(|e| engine_error(&self.delta_path)(e.into()))?;
         }
         Ok(n)
     }

@@ -153,7 +153,9 @@ impl StorageBackend for SimBackend {
 fn options(disk: &Arc<Mutex<SimDisk>>, cache_bytes: usize, spill_entries: usize) -> DiskOptions {
     let disk = Arc::clone(disk);
     let factory: BackendFactory = Arc::new(move |p: &Path| {
-        let name = p.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        let name = p
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         Ok(Box::new(SimBackend(Arc::clone(&disk), name)) as Box<dyn StorageBackend>)
     });
     DiskOptions {
@@ -394,7 +396,11 @@ fn a_crash_at_every_point_of_a_merge_changes_nothing() {
         assert_eq!(opened.store.delta_stats().0, 0, "every delta merged");
         assert_eq!(contents(&opened.store), want);
         checkpoint(&mut opened.store, 301, &[]).unwrap();
-        assert_eq!(contents(&opened.store), want, "merged deltas dropped, content kept");
+        assert_eq!(
+            contents(&opened.store),
+            want,
+            "merged deltas dropped, content kept"
+        );
     }
     for die_at in 0..=total {
         for keep_mode in 0..3u64 {
@@ -411,9 +417,17 @@ fn a_crash_at_every_point_of_a_merge_changes_nothing() {
             assert_eq!(opened.lsn, Some(300), "{ctx}");
             assert_eq!(contents(&opened.store), want, "{ctx}");
             if ok {
-                assert_eq!(opened.store.delta_stats().0, 0, "{ctx}: a merge that returned Ok was lost");
+                assert_eq!(
+                    opened.store.delta_stats().0,
+                    0,
+                    "{ctx}: a merge that returned Ok was lost"
+                );
             }
-            assert_eq!(opened.store.key_count().unwrap(), want.len() as u64, "{ctx}");
+            assert_eq!(
+                opened.store.key_count().unwrap(),
+                want.len() as u64,
+                "{ctx}"
+            );
             // Merging again (or for the first time) still changes nothing.
             merge(&mut opened.store).unwrap();
             assert_eq!(contents(&opened.store), want, "{ctx}: merged again");

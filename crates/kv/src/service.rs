@@ -173,6 +173,10 @@ pub struct KvStats {
     /// Committed changes held in memory until the next flush to the disk
     /// engine (0 in memory).
     pub overlay_keys: usize,
+    /// Delta tables of the disk engine not merged into its main table yet
+    /// (0 in memory).
+    #[serde(default)]
+    pub delta_tables: usize,
     /// Prepared write sets awaiting their outcome.
     pub prepared: usize,
     /// Lock requests that had to wait.
@@ -248,6 +252,7 @@ impl Kv {
                 0
             }) as usize,
             overlay_keys: store.disk().map_or(0, DiskStore::overlay_len),
+            delta_tables: store.disk().map_or(0, |d| d.delta_stats().0),
             prepared: store.prepared_tids().len(),
             lock_waits: locks.waits,
             lock_conflicts: locks.conflicts + locks.timeouts,
