@@ -1,45 +1,69 @@
-//! The KV store's committed data on disk: a redb B-tree under an in-memory
+//! The KV store's committed data on disk: two redb files under an in-memory
 //! overlay of the changes since the last flush.
 //!
-//! Owns the engine file (`kv.redb` in the store's directory), its tables and
-//! the overlay. Must never make the engine durable outside a checkpoint (no
-//! fsync per commit: weft's log is the write-ahead log), never write the
-//! checkpoint's log position in a commit apart from the data it covers, and
-//! never hold more than a bounded overlay in memory without asking for a
-//! spill ([`DiskStore::should_spill`]).
+//! Owns the engine files (`kv.redb` and `kv-main.redb` in the store's
+//! directory), their tables and the overlay. Must never make the engine
+//! durable outside a checkpoint or a merge (no fsync per commit: weft's log
+//! is the write-ahead log), never write the checkpoint's log position in a
+//! commit apart from the data it covers, never change the store's content
+//! in a merge, and never hold more than a bounded overlay in memory without
+//! asking for a spill ([`DiskStore::should_spill`]).
 //!
-//! ## Why redb
+//! ## Why redb, and why two files
 //! redb is a copy-on-write B-tree whose commit is atomic (two commit slots
 //! and a god byte, checksummed): a commit with [`redb::Durability::None`]
 //! writes pages without an fsync and becomes durable only with the next
 //! `Immediate` commit; after a crash the file reverts to the last durable
-//! commit, whole. That is exactly a checkpoint: the engine's durable state
-//! changes only at a checkpoint, in one commit holding the data, the prepared
-//! write sets and the log position they are valid as of. Its page cache has a
-//! size ([`DiskOptions::cache_bytes`]), its storage is pluggable
-//! ([`redb::StorageBackend`], see [`DiskOptions::backend`]), and quick-repair
-//! keeps a reopen after a crash from walking the whole file. An LSM (fjall)
-//! would bring its own write-ahead journal, a second log to keep in step with
-//! weft's; a B-tree keyed like the store reads with one lookup.
+//! commit, whole. Its page cache has a size ([`DiskOptions::cache_bytes`]),
+//! its storage is pluggable ([`redb::StorageBackend`], see
+//! [`DiskOptions::backend`]), and quick-repair keeps a reopen after a crash
+//! from walking the whole file. An LSM (fjall) would bring its own
+//! write-ahead journal, a second log to keep in step with weft's.
+//!
+//! Updating a B-tree in place costs a page per distinct leaf touched: a
+//! checkpoint of 100 000 random updates rewrites nearly every leaf of a
+//! small table but ~50 000 leaves of a ten-million-key one (measured 39x
+//! slower; see docs/kv-storage.md). So a flush never updates the big table:
+//!
+//! - `kv.redb`, the *delta file*, holds the checkpoint: the log position,
+//!   the prepared write sets, and the changes as *delta tables*
+//!   (`delta.<seq>`), one per flush, each written from the sorted overlay
+//!   into a fresh table (packed pages, a cost that follows the number of
+//!   changes, not the size of the store);
+//! - `kv-main.redb`, the *main file*, holds the merged table and the number
+//!   of the last delta merged into it (`merged`).
+//!
+//! A *merge* ([`DiskStore::begin_merge`], [`MergeJob::write`],
+//! [`DiskStore::end_merge`]) applies the deltas, oldest first, to the merged
+//! table in one durable commit of the main file that also raises `merged`.
+//! It runs in the background, on the other file, so it never holds up a
+//! checkpoint (redb has one writer per file). A merge changes no content:
+//! deltas numbered up to `merged` are skipped by reads and dropped by the
+//! next flush. Batching many flushes' changes into one merge makes each leaf
+//! rewritten once for all of them.
 //!
 //! ## Layout of the state
-//! - `base`: a read snapshot of the engine as of the last flush;
+//! - `base`: a read snapshot of the merged table;
+//! - `deltas`: read snapshots of the delta tables numbered past `merged`;
 //! - `flushing`: the overlay being written by a flush in progress (frozen);
 //! - `dirty`: commits since then (`None`: deleted).
 //!
-//! A read looks in `dirty`, then `flushing`, then `base`. A flush
-//! ([`DiskStore::begin_flush`], [`FlushJob::write`], [`DiskStore::end_flush`])
-//! moves `dirty` to `flushing` in O(1) under the store's lock, writes it to the
-//! engine outside the lock, and then swaps `base` for a snapshot holding it.
-//! A checkpoint is a flush committed `Immediate` with its log position; a spill
-//! (the overlay passed its bound between checkpoints) is a flush committed
-//! with `Durability::None`, so a crash forgets it together with everything
-//! after the last checkpoint, and recovery replays weft's log from there.
-//! (A clean close of the engine makes its last commit durable, spill or not:
-//! the engine may then hold a state newer than its checkpoint's position.
-//! Replay is idempotent over it, since a prepare record holds final values
-//! and they are redone in log order; the service forces the log over a
-//! spill's commits before writing it, so no such state outlives its log.)
+//! A read looks in `dirty`, then `flushing`, then the deltas newest first,
+//! then `base`. A flush ([`DiskStore::begin_flush`], [`FlushJob::write`],
+//! [`DiskStore::end_flush`]) moves `dirty` to `flushing` in O(1) under the
+//! store's lock, writes it as a new delta outside the lock, and then reads
+//! it as one. A checkpoint is a flush committed `Immediate` with its log
+//! position; a spill (the overlay passed its bound between checkpoints) is
+//! a flush committed with `Durability::None`, so a crash forgets it together
+//! with everything after the last checkpoint, and recovery replays weft's
+//! log from there. (A merge, durable, may carry a spill's delta into the
+//! main file, and a clean close of the engine makes its last commit durable,
+//! spill or not: the engine may then hold a state newer than its
+//! checkpoint's position. Replay is idempotent over it, since a prepare
+//! record holds final values and they are redone in log order; the service
+//! forces the log over a spill's commits before writing it, so no such state
+//! outlives its log. Delta numbers lost with a spill are never reused: the
+//! next number is past both `merged` and every delta found.)
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -51,24 +75,52 @@ use std::sync::Arc;
 use bytes::Bytes;
 use redb::{
     Database, Durability as RedbDurability, ReadOnlyTable, ReadableTable, ReadableTableMetadata,
-    StorageBackend, TableDefinition,
+    StorageBackend, TableDefinition, TableHandle,
 };
 use weft_log::Durability;
 use weft_wire::Tid;
 
 use crate::api::Write;
 
+/// The merged table (main file).
 const DATA: TableDefinition<&[u8], &[u8]> = TableDefinition::new("data");
+/// Positions: the checkpoint's (delta file), the last merged delta (main).
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const META_LSN: &str = "lsn";
 const META_PREPARED: &str = "prepared";
+const META_MERGED: &str = "merged";
+const DELTA_PREFIX: &str = "delta.";
+/// A delta's value: this tag, then the value; or [`TAG_DELETED`] alone.
+const TAG_PUT: u8 = 1;
+const TAG_DELETED: u8 = 0;
 
-/// The engine file in a store's directory.
+/// The delta file (the checkpoint) in a store's directory.
 pub fn path(dir: &Path) -> PathBuf {
     dir.join("kv.redb")
 }
 
-/// Opens a storage backend for the engine file at the given path (a
+/// The main file (the merged table) in a store's directory.
+pub fn main_path(dir: &Path) -> PathBuf {
+    dir.join("kv-main.redb")
+}
+
+fn delta_name(seq: u64) -> String {
+    format!("{DELTA_PREFIX}{seq:020}")
+}
+
+fn delta_def(name: &str) -> TableDefinition<'_, &'static [u8], &'static [u8]> {
+    TableDefinition::new(name)
+}
+
+fn decode_delta(v: &[u8]) -> Option<Option<Bytes>> {
+    match v.split_first() {
+        Some((&TAG_PUT, rest)) => Some(Some(Bytes::copy_from_slice(rest))),
+        Some((&TAG_DELETED, [])) => Some(None),
+        _ => None,
+    }
+}
+
+/// Opens a storage backend for an engine file at the given path (a
 /// simulator's disk, a fault-injecting file).
 pub type BackendFactory =
     Arc<dyn Fn(&Path) -> io::Result<Box<dyn StorageBackend>> + Send + Sync + 'static>;
@@ -76,14 +128,19 @@ pub type BackendFactory =
 /// Settings of the on-disk engine.
 #[derive(Clone)]
 pub struct DiskOptions {
-    /// Bytes of engine pages cached in memory.
+    /// Bytes of engine pages cached in memory, over both files (a quarter
+    /// for the delta file, the rest for the main file).
     pub cache_bytes: usize,
     /// Keys changed since the last flush past which a spill is asked for.
     pub spill_entries: usize,
     /// Key and value bytes changed since the last flush past which a spill
     /// is asked for.
     pub spill_bytes: usize,
-    /// The engine's storage; `None`: the real file `kv.redb`.
+    /// Delta tables past which a merge is asked for.
+    pub merge_deltas: usize,
+    /// Entries over the delta tables past which a merge is asked for.
+    pub merge_entries: usize,
+    /// The engine's storage; `None`: the real files.
     pub backend: Option<BackendFactory>,
 }
 
@@ -93,6 +150,8 @@ impl Default for DiskOptions {
             cache_bytes: 64 << 20,
             spill_entries: 262_144,
             spill_bytes: 64 << 20,
+            merge_deltas: 8,
+            merge_entries: 2_000_000,
             backend: None,
         }
     }
@@ -104,6 +163,8 @@ impl fmt::Debug for DiskOptions {
             .field("cache_bytes", &self.cache_bytes)
             .field("spill_entries", &self.spill_entries)
             .field("spill_bytes", &self.spill_bytes)
+            .field("merge_deltas", &self.merge_deltas)
+            .field("merge_entries", &self.merge_entries)
             .field("backend", &self.backend.as_ref().map(|_| "custom"))
             .finish()
     }
@@ -179,14 +240,35 @@ impl StorageBackend for Boxed {
     }
 }
 
-type Base = ReadOnlyTable<&'static [u8], &'static [u8]>;
+type Table = ReadOnlyTable<&'static [u8], &'static [u8]>;
+
+/// One entry of a layer as a range walk yields it (`None`: deleted).
+type Entry = Result<(Bytes, Option<Bytes>), DiskError>;
 
 /// The committed data of a store on disk.
 pub struct DiskStore {
-    db: Arc<Database>,
+    main: Arc<Database>,
+    deltas_db: Arc<Database>,
+    /// The delta file.
     path: PathBuf,
-    base: Base,
+    main_path: PathBuf,
+    /// The merged table.
+    base: Table,
+    /// The last delta merged into `base`.
+    merged: u64,
+    /// Delta tables numbered past `merged`, oldest first.
+    deltas: Vec<(u64, Table)>,
+    /// Entries over `deltas`.
+    delta_entries: u64,
+    /// Merged deltas still in the delta file (the next flush drops them).
+    obsolete: Vec<u64>,
+    next_seq: u64,
     flushing: Option<Arc<Overlay>>,
+    /// The delta number and the dropped deltas of the flush in progress.
+    flushing_seq: u64,
+    flushing_dropped: Vec<u64>,
+    /// The last delta of the merge in progress.
+    merging: Option<u64>,
     dirty: Overlay,
     dirty_bytes: usize,
     opts: DiskOptions,
@@ -198,6 +280,8 @@ impl fmt::Debug for DiskStore {
             .field("path", &self.path)
             .field("dirty", &self.dirty.len())
             .field("flushing", &self.flushing.as_ref().map(|f| f.len()))
+            .field("deltas", &self.deltas.len())
+            .field("merged", &self.merged)
             .finish()
     }
 }
@@ -206,82 +290,222 @@ fn overlay_bytes(k: &Bytes, v: &Option<Bytes>) -> usize {
     k.len() + v.as_ref().map_or(0, Bytes::len) + 64
 }
 
-impl DiskStore {
-    fn engine_err(&self) -> impl Fn(redb::Error) -> DiskError + '_ {
-        |e| DiskError::Engine {
-            path: self.path.clone(),
-            source: Box::new(e),
+fn engine_error(path: &Path) -> impl Fn(redb::Error) -> DiskError + '_ {
+    move |e| DiskError::Engine {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    }
+}
+
+/// Opens (creating if missing) one engine file.
+fn open_file(
+    dir: &Path,
+    file: &Path,
+    dur: &Durability,
+    backend: Option<&BackendFactory>,
+    cache_bytes: usize,
+) -> Result<Database, DiskError> {
+    let io_err = |context| {
+        let file = file.to_path_buf();
+        move |source| DiskError::Io {
+            path: file,
+            context,
+            source,
+        }
+    };
+    let engine = engine_error(file);
+    let mut builder = Database::builder();
+    builder.set_cache_size(cache_bytes);
+    match backend {
+        Some(factory) => {
+            let backend = factory(file).map_err(io_err("opening the backend"))?;
+            builder
+                .create_with_backend(Boxed(backend))
+                .map_err(|e| engine(e.into()))
+        }
+        None => {
+            let fresh = !file.exists();
+            let f = if fresh {
+                dur.create_dir_all(dir)
+                    .map_err(io_err("creating the directory"))?;
+                dur.create_file(file).map_err(io_err("creating the file"))?
+            } else {
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(file)
+                    .map_err(io_err("opening the file"))?
+            };
+            let db = builder.create_file(f).map_err(|e| engine(e.into()))?;
+            if fresh {
+                dur.sync_dir(dir).map_err(io_err("syncing the directory"))?;
+            }
+            Ok(db)
         }
     }
+}
 
-    /// Opens (creating if missing) the engine in `dir`; a new directory and
-    /// file are made durable through `dur` before this returns.
+fn read_u64(
+    path: &Path,
+    v: Option<redb::AccessGuard<'_, &[u8]>>,
+    what: &str,
+) -> Result<Option<u64>, DiskError> {
+    v.map(|v| {
+        v.value()
+            .try_into()
+            .map(u64::from_le_bytes)
+            .map_err(|_| DiskError::Corrupt {
+                path: path.to_path_buf(),
+                reason: format!("{what} is not 8 bytes"),
+            })
+    })
+    .transpose()
+}
+
+/// Opens the delta tables `seqs` from a fresh snapshot of the delta file.
+fn open_deltas(db: &Database, path: &Path, seqs: &[u64]) -> Result<Vec<(u64, Table)>, DiskError> {
+    let engine = engine_error(path);
+    let tx = db.begin_read().map_err(|e| engine(e.into()))?;
+    seqs.iter()
+        .map(|&seq| {
+            let name = delta_name(seq);
+            tx.open_table(delta_def(&name))
+                .map(|t| (seq, t))
+                .map_err(|e| engine(e.into()))
+        })
+        .collect()
+}
+
+/// A walk of one table from `start` in key order.
+fn walk<'a>(
+    t: &'a Table,
+    start: &Bytes,
+    delta: bool,
+    path: &'a Path,
+) -> Result<Box<dyn Iterator<Item = Entry> + 'a>, DiskError> {
+    let range = t
+        .range::<&[u8]>(start.as_ref()..)
+        .map_err(|e| engine_error(path)(e.into()))?;
+    Ok(Box::new(range.map(move |r| {
+        let (k, v) = r.map_err(|e| engine_error(path)(e.into()))?;
+        let key = Bytes::copy_from_slice(k.value());
+        let value = if delta {
+            decode_delta(v.value()).ok_or_else(|| DiskError::Corrupt {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "a delta value of {} bytes with no valid tag",
+                    v.value().len()
+                ),
+            })?
+        } else {
+            Some(Bytes::copy_from_slice(v.value()))
+        };
+        Ok((key, value))
+    })))
+}
+
+/// Walks `layers` (newest first) together in key order below `end` (empty:
+/// no bound): each key once, with the newest layer's value (`None`:
+/// deleted), until `visit` returns false.
+fn merge_walk<'a>(
+    layers: Vec<Box<dyn Iterator<Item = Entry> + 'a>>,
+    end: &Bytes,
+    mut visit: impl FnMut(&Bytes, Option<&Bytes>) -> Result<bool, DiskError>,
+) -> Result<(), DiskError> {
+    let mut layers: Vec<_> = layers.into_iter().map(Iterator::peekable).collect();
+    loop {
+        let mut min: Option<Bytes> = None;
+        for l in layers.iter_mut() {
+            match l.peek() {
+                Some(Ok((k, _))) if min.as_ref().is_none_or(|m| k < m) => {
+                    min = Some(k.clone());
+                }
+                Some(Ok(_)) => {}
+                Some(Err(_)) => {
+                    return Err(l.next().and_then(Result::err).expect("peeked an error"));
+                }
+                None => {}
+            }
+        }
+        let Some(k) = min else { return Ok(()) };
+        if !end.is_empty() && k >= *end {
+            return Ok(());
+        }
+        let mut value: Option<Option<Bytes>> = None;
+        for l in layers.iter_mut() {
+            if matches!(l.peek(), Some(Ok((lk, _))) if *lk == k) {
+                if let Some(Ok((_, v))) = l.next() {
+                    value.get_or_insert(v);
+                }
+            }
+        }
+        let value = value.expect("the smallest key came from a layer");
+        if !visit(&k, value.as_ref())? {
+            return Ok(());
+        }
+    }
+}
+
+fn overlay_walk<'a>(o: &'a Overlay, start: &Bytes) -> Box<dyn Iterator<Item = Entry> + 'a> {
+    Box::new(
+        o.range(start.clone()..)
+            .map(|(k, v)| Ok((k.clone(), v.clone()))),
+    )
+}
+
+impl DiskStore {
+    /// Opens (creating if missing) the engine in `dir`; new directories and
+    /// files are made durable through `dur` before this returns.
     ///
-    /// Fails with [`DiskError`] when the file cannot be opened or created,
-    /// is not an engine file, or its records do not decode.
+    /// Fails with [`DiskError`] when a file cannot be opened or created, is
+    /// not an engine file (or one of the earlier one-file layout, whose
+    /// `kv.redb` held the whole table: refused, never read as empty), or
+    /// its records do not decode.
     pub fn open(dir: &Path, dur: &Durability, opts: DiskOptions) -> Result<Opened, DiskError> {
         let file = path(dir);
-        let io_err = |context| {
-            let file = file.clone();
-            move |source| DiskError::Io {
-                path: file,
-                context,
-                source,
-            }
-        };
-        let engine = |e: redb::Error| DiskError::Engine {
+        let main_file = main_path(dir);
+        let delta_cache = (opts.cache_bytes / 4).max(1 << 16);
+        let main_cache = opts.cache_bytes.saturating_sub(delta_cache).max(1 << 16);
+        let deltas_db = open_file(dir, &file, dur, opts.backend.as_ref(), delta_cache)?;
+        let main = open_file(dir, &main_file, dur, opts.backend.as_ref(), main_cache)?;
+        let engine = engine_error(&file);
+        let main_engine = engine_error(&main_file);
+        let corrupt = |reason: String| DiskError::Corrupt {
             path: file.clone(),
-            source: Box::new(e),
+            reason,
         };
-        let mut builder = Database::builder();
-        builder.set_cache_size(opts.cache_bytes);
-        let db = match &opts.backend {
-            Some(factory) => {
-                let backend = factory(&file).map_err(io_err("opening the backend"))?;
-                builder
-                    .create_with_backend(Boxed(backend))
-                    .map_err(|e| engine(e.into()))?
-            }
-            None => {
-                let fresh = !file.exists();
-                let f = if fresh {
-                    dur.create_dir_all(dir)
-                        .map_err(io_err("creating the directory"))?;
-                    dur.create_file(&file)
-                        .map_err(io_err("creating the file"))?
-                } else {
-                    OpenOptions::new()
-                        .read(true)
-                        .write(true)
-                        .open(&file)
-                        .map_err(io_err("opening the file"))?
-                };
-                let db = builder.create_file(f).map_err(|e| engine(e.into()))?;
-                if fresh {
-                    dur.sync_dir(dir).map_err(io_err("syncing the directory"))?;
+        // The delta file: its tables, and the checkpoint.
+        let mut seqs: Vec<u64> = Vec::new();
+        {
+            let tx = deltas_db.begin_read().map_err(|e| engine(e.into()))?;
+            for t in tx.list_tables().map_err(|e| engine(e.into()))? {
+                let name = t.name();
+                if name == DATA.name() {
+                    return Err(corrupt(
+                        "an engine file of the earlier one-file layout (move it away to start empty, \
+                         or run the build that wrote it)"
+                            .into(),
+                    ));
                 }
-                db
+                if let Some(n) = name.strip_prefix(DELTA_PREFIX) {
+                    seqs.push(
+                        n.parse()
+                            .map_err(|_| corrupt(format!("a delta table named {name:?}")))?,
+                    );
+                }
             }
-        };
-        // Make both tables exist, durably, so a read snapshot can open them.
-        let mut tx = db.begin_write().map_err(|e| engine(e.into()))?;
+        }
+        seqs.sort_unstable();
+        let mut tx = deltas_db.begin_write().map_err(|e| engine(e.into()))?;
         tx.set_durability(RedbDurability::Immediate);
         tx.set_quick_repair(true);
         let (lsn, prepared) = {
-            tx.open_table(DATA).map_err(|e| engine(e.into()))?;
             let meta = tx.open_table(META).map_err(|e| engine(e.into()))?;
-            let corrupt = |reason: String| DiskError::Corrupt {
-                path: file.clone(),
-                reason,
-            };
-            let lsn = match meta.get(META_LSN).map_err(|e| engine(e.into()))? {
-                None => None,
-                Some(v) => {
-                    Some(u64::from_le_bytes(v.value().try_into().map_err(|_| {
-                        corrupt("checkpoint position is not 8 bytes".into())
-                    })?))
-                }
-            };
+            let lsn = read_u64(
+                &file,
+                meta.get(META_LSN).map_err(|e| engine(e.into()))?,
+                "checkpoint position",
+            )?;
             let prepared: Vec<PreparedSet> =
                 match meta.get(META_PREPARED).map_err(|e| engine(e.into()))? {
                     None => Vec::new(),
@@ -291,35 +515,80 @@ impl DiskStore {
             (lsn, prepared)
         };
         tx.commit().map_err(|e| engine(e.into()))?;
-        let db = Arc::new(db);
-        let base = db
+        // The main file: its table and the last delta merged into it.
+        let mut tx = main.begin_write().map_err(|e| main_engine(e.into()))?;
+        tx.set_durability(RedbDurability::Immediate);
+        tx.set_quick_repair(true);
+        let merged = {
+            tx.open_table(DATA).map_err(|e| main_engine(e.into()))?;
+            let meta = tx.open_table(META).map_err(|e| main_engine(e.into()))?;
+            let merged = read_u64(
+                &main_file,
+                meta.get(META_MERGED).map_err(|e| main_engine(e.into()))?,
+                "merged delta number",
+            )?
+            .unwrap_or(0);
+            merged
+        };
+        tx.commit().map_err(|e| main_engine(e.into()))?;
+        let base = main
             .begin_read()
-            .map_err(|e| engine(e.into()))?
+            .map_err(|e| main_engine(e.into()))?
             .open_table(DATA)
-            .map_err(|e| engine(e.into()))?;
+            .map_err(|e| main_engine(e.into()))?;
+        let (obsolete, live): (Vec<u64>, Vec<u64>) = seqs.iter().partition(|s| **s <= merged);
+        let deltas = open_deltas(&deltas_db, &file, &live)?;
+        let next_seq = merged.max(seqs.last().copied().unwrap_or(0)) + 1;
+        let mut store = DiskStore {
+            main: Arc::new(main),
+            deltas_db: Arc::new(deltas_db),
+            path: file.clone(),
+            main_path: main_file.clone(),
+            base,
+            merged,
+            deltas,
+            delta_entries: 0,
+            obsolete,
+            next_seq,
+            flushing: None,
+            flushing_seq: 0,
+            flushing_dropped: Vec::new(),
+            merging: None,
+            dirty: Overlay::new(),
+            dirty_bytes: 0,
+            opts,
+        };
+        store.count_delta_entries()?;
         Ok(Opened {
-            store: DiskStore {
-                db,
-                path: file,
-                base,
-                flushing: None,
-                dirty: Overlay::new(),
-                dirty_bytes: 0,
-                opts,
-            },
+            store,
             lsn,
             prepared,
         })
     }
 
-    /// The engine file.
+    fn count_delta_entries(&mut self) -> Result<(), DiskError> {
+        let mut n = 0;
+        for (_, t) in &self.deltas {
+            n += t.len().map_err(|e| engine_error(&self.path)(e.into()))?;
+        }
+        self.delta_entries = n;
+        Ok(())
+    }
+
+    /// The delta file, whose durable commits are the checkpoints.
     pub fn file(&self) -> &Path {
         &self.path
     }
 
+    /// The main file, holding the merged table.
+    pub fn main_file(&self) -> &Path {
+        &self.main_path
+    }
+
     /// The committed value at `key`.
     ///
-    /// Fails with [`DiskError::Engine`] when the engine cannot read it.
+    /// Fails with [`DiskError::Engine`] when the engine cannot read, and
+    /// [`DiskError::Corrupt`] for a delta value that does not decode.
     pub fn get(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
         if let Some(v) = self.dirty.get(key) {
             return Ok(v.clone());
@@ -327,10 +596,21 @@ impl DiskStore {
         if let Some(v) = self.flushing.as_ref().and_then(|f| f.get(key)) {
             return Ok(v.clone());
         }
+        for (_, t) in self.deltas.iter().rev() {
+            let got = t
+                .get(key.as_ref())
+                .map_err(|e| engine_error(&self.path)(e.into()))?;
+            if let Some(g) = got {
+                return decode_delta(g.value()).ok_or_else(|| DiskError::Corrupt {
+                    path: self.path.clone(),
+                    reason: format!("the delta value at {key:?} has no valid tag"),
+                });
+            }
+        }
         let got = self
             .base
             .get(key.as_ref())
-            .map_err(|e| self.engine_err()(e.into()))?;
+            .map_err(|e| engine_error(&self.main_path)(e.into()))?;
         Ok(got.map(|g| Bytes::copy_from_slice(g.value())))
     }
 
@@ -350,34 +630,62 @@ impl DiskStore {
                 || self.dirty_bytes >= self.opts.spill_bytes)
     }
 
+    /// True when the delta tables passed their bound (in number or in
+    /// entries) and no merge is running.
+    pub fn should_merge(&self) -> bool {
+        self.merging.is_none()
+            && !self.deltas.is_empty()
+            && (self.deltas.len() >= self.opts.merge_deltas
+                || self.delta_entries >= self.opts.merge_entries as u64)
+    }
+
     /// Changes held in memory (keys), over the overlay being flushed too.
     pub fn overlay_len(&self) -> usize {
         self.dirty.len() + self.flushing.as_ref().map_or(0, |f| f.len())
     }
 
-    /// Number of committed keys (one engine lookup per key changed since the
-    /// last flush).
+    /// Delta tables not merged yet, and their entries.
+    pub fn delta_stats(&self) -> (usize, u64) {
+        (self.deltas.len(), self.delta_entries)
+    }
+
+    /// The changed layers (overlays and deltas), newest first, from `start`.
+    fn changed_layers<'a>(
+        &'a self,
+        start: &Bytes,
+        empty: &'a Overlay,
+    ) -> Result<Vec<Box<dyn Iterator<Item = Entry> + 'a>>, DiskError> {
+        let mut layers = vec![
+            overlay_walk(&self.dirty, start),
+            overlay_walk(self.flushing.as_deref().unwrap_or(empty), start),
+        ];
+        for (_, t) in self.deltas.iter().rev() {
+            layers.push(walk(t, start, true, &self.path)?);
+        }
+        Ok(layers)
+    }
+
+    /// Number of committed keys: the merged table's count, corrected by one
+    /// lookup in it per key changed since the last merge.
     ///
-    /// Fails with [`DiskError::Engine`] when the engine cannot read.
+    /// Fails with [`DiskError`] when the engine cannot read.
     pub fn key_count(&self) -> Result<u64, DiskError> {
-        let mut n = self.base.len().map_err(|e| self.engine_err()(e.into()))? as i64;
-        let mut seen = |k: &Bytes, v: &Option<Bytes>| -> Result<(), DiskError> {
-            let in_base = self
-                .base
-                .get(k.as_ref())
-                .map_err(|e| self.engine_err()(e.into()))?
-                .is_some();
-            n += i64::from(v.is_some()) - i64::from(in_base);
-            Ok(())
-        };
-        for (k, v) in &self.dirty {
-            seen(k, v)?;
-        }
-        if let Some(f) = &self.flushing {
-            for (k, v) in f.iter().filter(|(k, _)| !self.dirty.contains_key(*k)) {
-                seen(k, v)?;
-            }
-        }
+        let main_err = engine_error(&self.main_path);
+        let mut n = self.base.len().map_err(|e| main_err(e.into()))? as i64;
+        let empty = Overlay::new();
+        merge_walk(
+            self.changed_layers(&Bytes::new(), &empty)?,
+            &Bytes::new(),
+            |k, v| {
+                let in_base = self
+                    .base
+                    .get(k.as_ref())
+                    .map_err(|e| main_err(e.into()))?
+                    .is_some();
+                n += i64::from(v.is_some()) - i64::from(in_base);
+                Ok(true)
+            },
+        )?;
         Ok(n.max(0) as u64)
     }
 
@@ -385,7 +693,7 @@ impl DiskStore {
     /// bound) in key order until `visit` returns false. Streams: memory use
     /// does not follow the number of keys visited.
     ///
-    /// Fails with [`DiskError::Engine`] when the engine cannot read.
+    /// Fails with [`DiskError`] when the engine cannot read.
     pub fn visit_range(
         &self,
         start: &Bytes,
@@ -393,63 +701,9 @@ impl DiskStore {
         mut visit: impl FnMut(&Bytes, &Bytes) -> bool,
     ) -> Result<(), DiskError> {
         let empty = Overlay::new();
-        let mut d = self.dirty.range(start.clone()..).peekable();
-        let mut f = self
-            .flushing
-            .as_deref()
-            .unwrap_or(&empty)
-            .range(start.clone()..)
-            .peekable();
-        let err = self.engine_err();
-        let mut b = self
-            .base
-            .range::<&[u8]>(start.as_ref()..)
-            .map_err(|e| err(e.into()))?
-            .map(|r| {
-                r.map(|(k, v)| {
-                    (
-                        Bytes::copy_from_slice(k.value()),
-                        Bytes::copy_from_slice(v.value()),
-                    )
-                })
-            })
-            .peekable();
-        loop {
-            let kb = match b.peek() {
-                Some(Ok((k, _))) => Some(k.clone()),
-                Some(Err(_)) => {
-                    let e = b.next().and_then(|r| r.err()).expect("peeked an error");
-                    return Err(err(e.into()));
-                }
-                None => None,
-            };
-            let kd = d.peek().map(|(k, _)| (*k).clone());
-            let kf = f.peek().map(|(k, _)| (*k).clone());
-            let Some(k) = [&kd, &kf, &kb].into_iter().flatten().min().cloned() else {
-                return Ok(());
-            };
-            if !end.is_empty() && k >= *end {
-                return Ok(());
-            }
-            // The newest layer holding the key wins.
-            let mut value: Option<Option<Bytes>> = None;
-            if kd.as_ref() == Some(&k) {
-                value = d.next().map(|(_, v)| v.clone());
-            }
-            if kf.as_ref() == Some(&k) {
-                let v = f.next().map(|(_, v)| v.clone());
-                value = value.or(v);
-            }
-            if kb.as_ref() == Some(&k) {
-                let v = b.next().and_then(|r| r.ok()).map(|(_, v)| Some(v));
-                value = value.or(v);
-            }
-            if let Some(Some(v)) = value {
-                if !visit(&k, &v) {
-                    return Ok(());
-                }
-            }
-        }
+        let mut layers = self.changed_layers(start, &empty)?;
+        layers.push(walk(&self.base, start, false, &self.main_path)?);
+        merge_walk(layers, end, |k, v| Ok(v.is_none_or(|v| visit(k, v))))
     }
 
     /// Starts a flush: the changes since the last one are frozen and handed
@@ -463,38 +717,39 @@ impl DiskStore {
         let frozen = Arc::new(std::mem::take(&mut self.dirty));
         self.dirty_bytes = 0;
         self.flushing = Some(Arc::clone(&frozen));
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.flushing_seq = seq;
+        self.flushing_dropped = std::mem::take(&mut self.obsolete);
         Some(FlushJob {
-            db: Arc::clone(&self.db),
+            db: Arc::clone(&self.deltas_db),
             path: self.path.clone(),
             entries: frozen,
+            seq,
+            dropped: self.flushing_dropped.clone(),
         })
     }
 
-    /// Ends a flush. Written: reads move to a snapshot holding it. Failed:
-    /// the frozen changes go back under the newer ones, to be written by the
+    /// Ends a flush. Written: reads move to the delta it wrote. Failed: the
+    /// frozen changes go back under the newer ones, to be written by the
     /// next flush.
     ///
-    /// Fails with [`DiskError::Engine`] when the new snapshot cannot be
+    /// Fails with [`DiskError::Engine`] when the new delta cannot be
     /// opened; the frozen changes then stay in memory, still read first.
     pub fn end_flush(&mut self, written: bool) -> Result<(), DiskError> {
         let Some(frozen) = self.flushing.take() else {
             return Ok(());
         };
+        let dropped = std::mem::take(&mut self.flushing_dropped);
         if written {
-            let path = self.path.clone();
-            let err = move |e: redb::Error| DiskError::Engine {
-                path: path.clone(),
-                source: Box::new(e),
-            };
-            let snap = self
-                .db
-                .begin_read()
-                .map_err(|e| err(e.into()))
-                .and_then(|tx| tx.open_table(DATA).map_err(|e| err(e.into())));
-            match snap {
-                Ok(base) => {
-                    self.base = base;
-                    return Ok(());
+            let mut seqs: Vec<u64> = self.deltas.iter().map(|(s, _)| *s).collect();
+            if !frozen.is_empty() {
+                seqs.push(self.flushing_seq);
+            }
+            match open_deltas(&self.deltas_db, &self.path, &seqs) {
+                Ok(deltas) => {
+                    self.deltas = deltas;
+                    return self.count_delta_entries();
                 }
                 Err(e) => {
                     self.flushing = Some(frozen);
@@ -502,6 +757,7 @@ impl DiskStore {
                 }
             }
         }
+        self.obsolete.extend(dropped);
         let frozen = Arc::try_unwrap(frozen).unwrap_or_else(|a| (*a).clone());
         for (k, v) in frozen {
             if !self.dirty.contains_key(&k) {
@@ -511,13 +767,69 @@ impl DiskStore {
         }
         Ok(())
     }
+
+    /// Starts a merge of every delta table written so far into the merged
+    /// table. Call [`DiskStore::end_merge`] with the job's result. `None`
+    /// when a merge is running or there is nothing to merge.
+    ///
+    /// Fails with [`DiskError::Engine`] when the deltas cannot be opened
+    /// for the job.
+    pub fn begin_merge(&mut self) -> Result<Option<MergeJob>, DiskError> {
+        if self.merging.is_some() || self.deltas.is_empty() {
+            return Ok(None);
+        }
+        let seqs: Vec<u64> = self.deltas.iter().map(|(s, _)| *s).collect();
+        let deltas = open_deltas(&self.deltas_db, &self.path, &seqs)?;
+        let upto = *seqs.last().expect("not empty");
+        self.merging = Some(upto);
+        Ok(Some(MergeJob {
+            db: Arc::clone(&self.main),
+            path: self.main_path.clone(),
+            delta_path: self.path.clone(),
+            deltas,
+            upto,
+        }))
+    }
+
+    /// Ends a merge. Written: reads move to the merged table holding it and
+    /// skip the deltas it took (the next flush drops them). Failed: nothing
+    /// changes.
+    ///
+    /// Fails with [`DiskError::Engine`] when the merged table cannot be
+    /// opened again; the deltas then stay read as before.
+    pub fn end_merge(&mut self, written: bool) -> Result<(), DiskError> {
+        let Some(upto) = self.merging.take() else {
+            return Ok(());
+        };
+        if !written {
+            return Ok(());
+        }
+        let base = {
+            let engine = engine_error(&self.main_path);
+            self.main
+                .begin_read()
+                .map_err(|e| engine(e.into()))?
+                .open_table(DATA)
+                .map_err(|e| engine(e.into()))?
+        };
+        self.base = base;
+        self.merged = upto;
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deltas)
+            .into_iter()
+            .partition(|(s, _)| *s <= upto);
+        self.obsolete.extend(gone.into_iter().map(|(s, _)| s));
+        self.deltas = kept;
+        self.count_delta_entries()
+    }
 }
 
-/// A flush in progress: the frozen changes to write to the engine.
+/// A flush in progress: the frozen changes to write as a delta.
 pub struct FlushJob {
     db: Arc<Database>,
     path: PathBuf,
     entries: Arc<Overlay>,
+    seq: u64,
+    dropped: Vec<u64>,
 }
 
 impl FlushJob {
@@ -531,17 +843,16 @@ impl FlushJob {
         self.entries.is_empty()
     }
 
-    /// Writes the frozen changes in one engine commit. With a checkpoint
-    /// (`Some((lsn, prepared))`) the commit also records the log position and
-    /// the prepared write sets and is durable when this returns; without,
-    /// it is a spill, not durable, forgotten by a crash.
+    /// Writes the frozen changes as a new delta table in one commit of the
+    /// delta file, which also drops the deltas merged since the last flush.
+    /// With a checkpoint (`Some((lsn, prepared))`) the commit also records
+    /// the log position and the prepared write sets and is durable when
+    /// this returns; without, it is a spill, not durable, forgotten by a
+    /// crash. Its cost follows the number of changes, not the store's size.
     ///
     /// Fails with [`DiskError`]; the engine then keeps its previous state.
     pub fn write(&self, checkpoint: Option<(u64, &[PreparedSet])>) -> Result<(), DiskError> {
-        let engine = |e: redb::Error| DiskError::Engine {
-            path: self.path.clone(),
-            source: Box::new(e),
-        };
+        let engine = engine_error(&self.path);
         let mut tx = self.db.begin_write().map_err(|e| engine(e.into()))?;
         match checkpoint {
             Some(_) => {
@@ -550,30 +861,98 @@ impl FlushJob {
             }
             None => tx.set_durability(RedbDurability::None),
         }
-        {
-            let mut data = tx.open_table(DATA).map_err(|e| engine(e.into()))?;
+        for seq in &self.dropped {
+            tx.delete_table(delta_def(&delta_name(*seq)))
+                .map_err(|e| engine(e.into()))?;
+        }
+        if !self.entries.is_empty() {
+            let name = delta_name(self.seq);
+            let mut data = tx
+                .open_table(delta_def(&name))
+                .map_err(|e| engine(e.into()))?;
+            let mut buf = Vec::new();
             for (k, v) in self.entries.iter() {
+                buf.clear();
                 match v {
                     Some(v) => {
-                        data.insert(k.as_ref(), v.as_ref())
-                            .map_err(|e| engine(e.into()))?;
+                        buf.push(TAG_PUT);
+                        buf.extend_from_slice(v);
                     }
-                    None => {
-                        data.remove(k.as_ref()).map_err(|e| engine(e.into()))?;
+                    None => buf.push(TAG_DELETED),
+                }
+                data.insert(k.as_ref(), buf.as_slice())
+                    .map_err(|e| engine(e.into()))?;
+            }
+        }
+        if let Some((lsn, prepared)) = checkpoint {
+            let mut meta = tx.open_table(META).map_err(|e| engine(e.into()))?;
+            let blob = postcard::to_allocvec(prepared).map_err(|e| DiskError::Corrupt {
+                path: self.path.clone(),
+                reason: format!("cannot encode the prepared write sets: {e}"),
+            })?;
+            meta.insert(META_PREPARED, blob.as_slice())
+                .map_err(|e| engine(e.into()))?;
+            meta.insert(META_LSN, lsn.to_le_bytes().as_slice())
+                .map_err(|e| engine(e.into()))?;
+        }
+        tx.commit().map_err(|e| engine(e.into()))
+    }
+}
+
+/// A merge in progress: delta tables to apply to the merged table.
+pub struct MergeJob {
+    db: Arc<Database>,
+    path: PathBuf,
+    delta_path: PathBuf,
+    deltas: Vec<(u64, Table)>,
+    upto: u64,
+}
+
+impl MergeJob {
+    /// Entries over the deltas this merge applies.
+    ///
+    /// Fails with [`DiskError::Engine`] when a delta cannot be read.
+    pub fn entries(&self) -> Result<u64, DiskError> {
+        let mut n = 0;
+        for (_, t) in &self.deltas {
+            n += t
+                .len()
+                .map_err(|e| engine_error(&self.delta_path)(e.into()))?;
+        }
+        Ok(n)
+    }
+
+    /// Applies the deltas, oldest first, to the merged table and records
+    /// the last one merged, in one durable commit of the main file. Changes
+    /// no content of the store: what it writes was already read from the
+    /// deltas.
+    ///
+    /// Fails with [`DiskError`]; the main file then keeps its previous
+    /// state.
+    pub fn write(&self) -> Result<(), DiskError> {
+        let engine = engine_error(&self.path);
+        let mut tx = self.db.begin_write().map_err(|e| engine(e.into()))?;
+        tx.set_durability(RedbDurability::Immediate);
+        tx.set_quick_repair(true);
+        {
+            let mut data = tx.open_table(DATA).map_err(|e| engine(e.into()))?;
+            for (_, t) in &self.deltas {
+                for r in walk(t, &Bytes::new(), true, &self.delta_path)? {
+                    let (k, v) = r?;
+                    match v {
+                        Some(v) => {
+                            data.insert(k.as_ref(), v.as_ref())
+                                .map_err(|e| engine(e.into()))?;
+                        }
+                        None => {
+                            data.remove(k.as_ref()).map_err(|e| engine(e.into()))?;
+                        }
                     }
                 }
             }
-            if let Some((lsn, prepared)) = checkpoint {
-                let mut meta = tx.open_table(META).map_err(|e| engine(e.into()))?;
-                let blob = postcard::to_allocvec(prepared).map_err(|e| DiskError::Corrupt {
-                    path: self.path.clone(),
-                    reason: format!("cannot encode the prepared write sets: {e}"),
-                })?;
-                meta.insert(META_PREPARED, blob.as_slice())
-                    .map_err(|e| engine(e.into()))?;
-                meta.insert(META_LSN, lsn.to_le_bytes().as_slice())
-                    .map_err(|e| engine(e.into()))?;
-            }
+            let mut meta = tx.open_table(META).map_err(|e| engine(e.into()))?;
+            meta.insert(META_MERGED, self.upto.to_le_bytes().as_slice())
+                .map_err(|e| engine(e.into()))?;
         }
         tx.commit().map_err(|e| engine(e.into()))
     }
@@ -581,20 +960,21 @@ impl FlushJob {
 
 /// Replaces the whole content of the engine with `data` and the checkpoint
 /// `(lsn, prepared)`, durably (importing a snapshot of the in-memory engine).
+/// The merged table is rewritten first, covering every delta; then a
+/// checkpoint drops the deltas and records the position. A crash between
+/// leaves the old position, so the import runs again.
 ///
-/// Fails with [`DiskError`]; the engine then keeps its previous state.
+/// Fails with [`DiskError`]; the engine then keeps its previous content.
 pub fn import(
     store: &mut DiskStore,
     data: impl Iterator<Item = (Bytes, Bytes)>,
     lsn: u64,
     prepared: &[PreparedSet],
 ) -> Result<(), DiskError> {
-    let engine = |e: redb::Error| DiskError::Engine {
-        path: store.path.clone(),
-        source: Box::new(e),
-    };
+    let covers = store.next_seq - 1;
     {
-        let mut tx = store.db.begin_write().map_err(|e| engine(e.into()))?;
+        let engine = engine_error(&store.main_path);
+        let mut tx = store.main.begin_write().map_err(|e| engine(e.into()))?;
         tx.set_durability(RedbDurability::Immediate);
         tx.set_quick_repair(true);
         tx.delete_table(DATA).map_err(|e| engine(e.into()))?;
@@ -604,9 +984,14 @@ pub fn import(
                 t.insert(k.as_ref(), v.as_ref())
                     .map_err(|e| engine(e.into()))?;
             }
+            let mut meta = tx.open_table(META).map_err(|e| engine(e.into()))?;
+            meta.insert(META_MERGED, covers.to_le_bytes().as_slice())
+                .map_err(|e| engine(e.into()))?;
         }
         tx.commit().map_err(|e| engine(e.into()))?;
     }
+    store.merging = Some(covers);
+    store.end_merge(true)?;
     store.dirty.clear();
     store.dirty_bytes = 0;
     let job = store.begin_flush().expect("no flush runs during recovery");

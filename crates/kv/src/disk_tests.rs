@@ -16,20 +16,26 @@ use weft_wire::{Incarnation, NodeId, Tid};
 
 use crate::disk::{BackendFactory, DiskOptions, DiskStore, PreparedSet};
 
-/// A disk in memory that loses unsynced writes at a crash, and that can be
-/// set to fail (the process died) after a number of operations.
+/// A disk in memory holding the engine's files, that loses unsynced writes
+/// at a crash, and that can be set to fail (the process died) after a
+/// number of operations over all its files.
 #[derive(Default)]
 struct SimDisk {
+    files: BTreeMap<String, SimFile>,
+    /// Operations (write, set_len, sync) done, over every file.
+    ops: u64,
+    /// Fail every operation from this count on.
+    die_at: Option<u64>,
+}
+
+#[derive(Default)]
+struct SimFile {
     /// What reads see.
     volatile: Vec<u8>,
     /// What survives a crash: the state at the last sync.
     durable: Vec<u8>,
     /// Changes since the last sync, in order (for a crash that keeps some).
     unsynced: Vec<Change>,
-    /// Operations (write, set_len, sync) done.
-    ops: u64,
-    /// Fail every operation from this count on.
-    die_at: Option<u64>,
 }
 
 /// An unsynced change of the disk.
@@ -65,55 +71,66 @@ impl SimDisk {
     /// Power loss: unsynced writes are lost, except those `keep` picks (a
     /// disk may have written some of them before the power went).
     fn crash(&mut self, mut keep: impl FnMut() -> bool) {
-        let mut after = self.durable.clone();
-        for change in std::mem::take(&mut self.unsynced) {
-            if keep() {
-                change.apply(&mut after);
+        for f in self.files.values_mut() {
+            let mut after = f.durable.clone();
+            for change in std::mem::take(&mut f.unsynced) {
+                if keep() {
+                    change.apply(&mut after);
+                }
             }
+            f.volatile = after.clone();
+            f.durable = after;
         }
-        self.volatile = after.clone();
-        self.durable = after;
         self.die_at = None;
+    }
+
+    fn bytes(&self) -> usize {
+        self.files.values().map(|f| f.volatile.len()).sum()
     }
 }
 
+/// One file of a [`SimDisk`].
 #[derive(Debug, Clone)]
-struct SimBackend(Arc<Mutex<SimDisk>>);
+struct SimBackend(Arc<Mutex<SimDisk>>, String);
 
 impl std::fmt::Debug for SimDisk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SimDisk({} bytes)", self.volatile.len())
+        write!(f, "SimDisk({} bytes)", self.bytes())
     }
 }
 
 impl StorageBackend for SimBackend {
     fn len(&self) -> io::Result<u64> {
-        Ok(self.0.lock().volatile.len() as u64)
+        let d = self.0.lock();
+        Ok(d.files.get(&self.1).map_or(0, |f| f.volatile.len()) as u64)
     }
     fn read(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
         let d = self.0.lock();
         let end = offset as usize + len;
-        if end > d.volatile.len() {
+        let data = d.files.get(&self.1).map_or(&[][..], |f| &f.volatile);
+        if end > data.len() {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "read past end",
             ));
         }
-        Ok(d.volatile[offset as usize..end].to_vec())
+        Ok(data[offset as usize..end].to_vec())
     }
     fn set_len(&self, len: u64) -> io::Result<()> {
         let mut d = self.0.lock();
         d.step()?;
-        d.volatile.resize(len as usize, 0);
-        d.unsynced.push(Change::SetLen(len));
+        let f = d.files.entry(self.1.clone()).or_default();
+        f.volatile.resize(len as usize, 0);
+        f.unsynced.push(Change::SetLen(len));
         Ok(())
     }
     fn sync_data(&self, _eventual: bool) -> io::Result<()> {
         let mut d = self.0.lock();
         d.step()?;
-        let SimDisk {
+        let f = d.files.entry(self.1.clone()).or_default();
+        let SimFile {
             durable, unsynced, ..
-        } = &mut *d;
+        } = f;
         for change in unsynced.drain(..) {
             change.apply(durable);
         }
@@ -122,25 +139,32 @@ impl StorageBackend for SimBackend {
     fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         let mut d = self.0.lock();
         d.step()?;
+        let f = d.files.entry(self.1.clone()).or_default();
         let end = offset as usize + data.len();
-        if d.volatile.len() < end {
-            d.volatile.resize(end, 0);
+        if f.volatile.len() < end {
+            f.volatile.resize(end, 0);
         }
-        d.volatile[offset as usize..end].copy_from_slice(data);
-        d.unsynced.push(Change::Write(offset, data.to_vec()));
+        f.volatile[offset as usize..end].copy_from_slice(data);
+        f.unsynced.push(Change::Write(offset, data.to_vec()));
         Ok(())
     }
 }
 
 fn options(disk: &Arc<Mutex<SimDisk>>, cache_bytes: usize, spill_entries: usize) -> DiskOptions {
     let disk = Arc::clone(disk);
-    let factory: BackendFactory = Arc::new(move |_: &Path| {
-        Ok(Box::new(SimBackend(Arc::clone(&disk))) as Box<dyn StorageBackend>)
+    let factory: BackendFactory = Arc::new(move |p: &Path| {
+        let name = p
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        Ok(Box::new(SimBackend(Arc::clone(&disk), name)) as Box<dyn StorageBackend>)
     });
     DiskOptions {
         cache_bytes,
         spill_entries,
         spill_bytes: usize::MAX,
+        // Merges only where a test asks for one.
+        merge_deltas: usize::MAX,
+        merge_entries: usize::MAX,
         backend: Some(factory),
     }
 }
@@ -249,7 +273,7 @@ fn a_crash_at_every_point_of_a_checkpoint_leaves_one_whole_checkpoint() {
     assert!(ok && total > 2, "the checkpoint makes {total} operations");
     eprintln!(
         "checkpoint: {total} operations, file {} bytes",
-        disk.lock().volatile.len()
+        disk.lock().bytes()
     );
     let (old, new) = (model(false), model(true));
     let (mut saw_old, mut saw_new) = (false, false);
@@ -319,13 +343,107 @@ fn a_crash_after_a_spill_reverts_to_the_last_checkpoint() {
     assert_eq!(contents(&opened.store), BTreeMap::from([(b("a"), b("1"))]));
 }
 
+fn merge(store: &mut DiskStore) -> Result<bool, String> {
+    let Some(job) = store.begin_merge().map_err(|e| e.to_string())? else {
+        return Ok(false);
+    };
+    let res = job.write().map_err(|e| e.to_string());
+    store.end_merge(res.is_ok()).map_err(|e| e.to_string())?;
+    res.map(|()| true)
+}
+
+/// The state of [`scenario`] after its checkpoint, on a fresh disk, with
+/// one more checkpoint of further changes; then a merge of every delta,
+/// armed to die after `die_at` operations. Returns the disk, the merge's
+/// operations and whether it returned Ok.
+fn merge_scenario(die_at: Option<u64>) -> (Arc<Mutex<SimDisk>>, u64, bool) {
+    let (disk, _, ok) = scenario(None);
+    assert!(ok);
+    let mut store = open(&disk).store;
+    for i in 340..360u32 {
+        store.apply(b(format!("k{i:04}")), Some(b("late")));
+    }
+    store.apply(b("k0000"), None);
+    checkpoint(&mut store, 300, &[]).unwrap();
+    let before = disk.lock().ops;
+    disk.lock().die_at = die_at.map(|d| before + d);
+    let ok = merge(&mut store).is_ok_and(|merged| merged);
+    let ops = disk.lock().ops - before;
+    drop(store);
+    (disk, ops, ok)
+}
+
+fn merge_model() -> BTreeMap<Bytes, Bytes> {
+    let mut m = model(true);
+    for i in 340..360u32 {
+        m.insert(b(format!("k{i:04}")), b("late"));
+    }
+    m.remove(&b("k0000"));
+    m
+}
+
+/// A merge changes no content: a crash after each of its operations, with
+/// unsynced writes lost, kept or half kept, reopens the engine with the
+/// same data and the same checkpoint position, whether the merge took
+/// effect or not; and the next flush drops the merged deltas.
+#[test]
+fn a_crash_at_every_point_of_a_merge_changes_nothing() {
+    let (disk, total, ok) = merge_scenario(None);
+    assert!(ok && total > 2, "the merge makes {total} operations");
+    let want = merge_model();
+    {
+        let mut opened = open(&disk);
+        assert_eq!(opened.store.delta_stats().0, 0, "every delta merged");
+        assert_eq!(contents(&opened.store), want);
+        checkpoint(&mut opened.store, 301, &[]).unwrap();
+        assert_eq!(
+            contents(&opened.store),
+            want,
+            "merged deltas dropped, content kept"
+        );
+    }
+    for die_at in 0..=total {
+        for keep_mode in 0..3u64 {
+            let seed = die_at * 3 + keep_mode;
+            let (disk, _, ok) = merge_scenario(Some(die_at));
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            disk.lock().crash(|| match keep_mode {
+                0 => false,
+                1 => true,
+                _ => rng.gen_bool(0.5),
+            });
+            let ctx = format!("crash after op {die_at}/{total} of a merge, keep mode {keep_mode}, seed {seed}, merge returned ok={ok}");
+            let mut opened = open(&disk);
+            assert_eq!(opened.lsn, Some(300), "{ctx}");
+            assert_eq!(contents(&opened.store), want, "{ctx}");
+            if ok {
+                assert_eq!(
+                    opened.store.delta_stats().0,
+                    0,
+                    "{ctx}: a merge that returned Ok was lost"
+                );
+            }
+            assert_eq!(
+                opened.store.key_count().unwrap(),
+                want.len() as u64,
+                "{ctx}"
+            );
+            // Merging again (or for the first time) still changes nothing.
+            merge(&mut opened.store).unwrap();
+            assert_eq!(contents(&opened.store), want, "{ctx}: merged again");
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Step {
     Put(u16, u8),
     Delete(u16),
     Spill,
     Checkpoint,
-    /// Crash and reopen: back to the last checkpoint.
+    /// Merge the deltas into the main table.
+    Merge,
+    /// Crash and reopen: back to the last checkpoint (or the last merge).
     Crash,
     Scan(u16, u16, u8),
 }
@@ -336,6 +454,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (0u16..2000).prop_map(Step::Delete),
         1 => Just(Step::Spill),
         1 => Just(Step::Checkpoint),
+        1 => Just(Step::Merge),
         1 => Just(Step::Crash),
         2 => (0u16..2000, 0u16..2000, 1u8..50).prop_map(|(a, z, n)| Step::Scan(a, z, n)),
     ]
@@ -369,6 +488,8 @@ proptest! {
         let mut store = reopen();
         let mut live: BTreeMap<Bytes, Bytes> = BTreeMap::new();
         let mut durable = live.clone();
+        // The state as of the last flush (what a merge makes durable).
+        let mut flushed = live.clone();
         let mut lsn = 0;
         for (i, s) in steps.iter().enumerate() {
             match s {
@@ -385,11 +506,21 @@ proptest! {
                     let res = job.write(None);
                     store.end_flush(res.is_ok()).unwrap();
                     res.unwrap();
+                    flushed = live.clone();
                 }
                 Step::Checkpoint => {
                     lsn += 1;
                     checkpoint(&mut store, lsn, &[]).unwrap();
                     durable = live.clone();
+                    flushed = live.clone();
+                }
+                Step::Merge => {
+                    // A merge is durable and may carry spills: after a
+                    // crash the engine is at least as new as the merge
+                    // (recovery replays the log over it).
+                    if merge(&mut store).unwrap() {
+                        durable = flushed.clone();
+                    }
                 }
                 Step::Crash => {
                     // The process dies: the engine's drop cannot write.
@@ -399,6 +530,7 @@ proptest! {
                     disk.lock().crash(|| false);
                     store = reopen();
                     live = durable.clone();
+                    flushed = durable.clone();
                 }
                 Step::Scan(a, z, n) => {
                     let (a, z) = (key(*a.min(z)), key(*a.max(z)));
@@ -419,6 +551,7 @@ proptest! {
                 let job = store.begin_flush().unwrap();
                 job.write(None).unwrap();
                 store.end_flush(true).unwrap();
+                flushed = live.clone();
             }
             if i % 16 == 0 {
                 for k in (0u16..2000).step_by(97) {

@@ -173,6 +173,10 @@ pub struct KvStats {
     /// Committed changes held in memory until the next flush to the disk
     /// engine (0 in memory).
     pub overlay_keys: usize,
+    /// Delta tables of the disk engine not merged into its main table yet
+    /// (0 in memory).
+    #[serde(default)]
+    pub delta_tables: usize,
     /// Prepared write sets awaiting their outcome.
     pub prepared: usize,
     /// Lock requests that had to wait.
@@ -196,6 +200,10 @@ struct Inner {
     flush: Mutex<()>,
     /// A spill is running or queued.
     spilling: AtomicBool,
+    /// Held by a merge of the disk engine's deltas while it runs.
+    merge: Mutex<()>,
+    /// A merge is running or queued.
+    merging: AtomicBool,
     /// The log position of the disk engine's last checkpoint (0: none yet).
     checkpointed: AtomicU64,
 }
@@ -227,6 +235,8 @@ impl Kv {
                 dir: OnceLock::new(),
                 flush: Mutex::new(()),
                 spilling: AtomicBool::new(false),
+                merge: Mutex::new(()),
+                merging: AtomicBool::new(false),
                 checkpointed: AtomicU64::new(0),
             }),
         }
@@ -242,6 +252,7 @@ impl Kv {
                 0
             }) as usize,
             overlay_keys: store.disk().map_or(0, DiskStore::overlay_len),
+            delta_tables: store.disk().map_or(0, |d| d.delta_stats().0),
             prepared: store.prepared_tids().len(),
             lock_waits: locks.waits,
             lock_conflicts: locks.conflicts + locks.timeouts,
@@ -624,6 +635,7 @@ impl Resource for Participant {
                         tracing::warn!(error = %e, "kv: spill to the disk engine failed; kept in memory");
                     }
                     inner.spilling.store(false, Ordering::Release);
+                    maybe_merge(&inner);
                 };
                 // A spill writes up to the overlay's bound: off the runtime's
                 // threads when there is one.
@@ -895,6 +907,7 @@ impl Plugin for Kv {
                 );
             }
         }
+        maybe_merge(&self.inner);
         // Keep the records of prepared branches: the transaction manager's
         // outcome records for them follow their prepare records.
         Ok(Some(Lsn(oldest.map_or(at.get(), |o| o.min(at.get())))))
@@ -904,6 +917,7 @@ impl Plugin for Kv {
     /// overlay is dropped (its commits are in the log), so that the node
     /// restarted in this process can open the engine file again.
     fn crash(&self) {
+        let _merge = self.inner.merge.lock();
         let _flush = self.inner.flush.lock();
         *self.inner.store.write() = Store::default();
     }
@@ -915,6 +929,65 @@ enum Checkpointed {
     Image(crate::store::Image),
     /// What changed since the last flush, with the prepared write sets.
     Flush(FlushJob, Vec<PreparedSet>),
+}
+
+/// Starts a merge of the disk engine's deltas into its merged table when
+/// they passed their bound and none is running: in the background (on a
+/// blocking thread of the runtime when there is one, else here), on the
+/// engine's other file, so checkpoints and spills go on meanwhile.
+fn maybe_merge(inner: &Arc<Inner>) {
+    let wanted = inner
+        .store
+        .read()
+        .disk()
+        .is_some_and(DiskStore::should_merge);
+    if !wanted || inner.merging.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let inner2 = Arc::clone(inner);
+    let run = move || {
+        if let Err(e) = merge_deltas(&inner2) {
+            tracing::warn!(error = %e, "kv: merge of the disk engine's deltas failed; they stay read as deltas");
+        }
+        inner2.merging.store(false, Ordering::Release);
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => {
+            h.spawn_blocking(run);
+        }
+        Err(_) => run(),
+    }
+}
+
+/// Merges the disk engine's deltas into its merged table (content
+/// unchanged, durable in the engine's main file).
+///
+/// Fails with Internal when the engine cannot read or write; the deltas then
+/// stay, read as before.
+fn merge_deltas(inner: &Inner) -> Result<(), Failure> {
+    let _merge = inner.merge.lock();
+    let job = {
+        let mut store = inner.store.write();
+        match store.disk_mut().map(DiskStore::begin_merge) {
+            Some(Ok(Some(job))) => job,
+            Some(Err(e)) => return Err(plugin_failure(e)),
+            _ => return Ok(()),
+        }
+    };
+    let started = Instant::now();
+    let written = job.write().map_err(plugin_failure);
+    let ended = match inner.store.write().disk_mut() {
+        Some(d) => d.end_merge(written.is_ok()).map_err(plugin_failure),
+        None => Ok(()),
+    };
+    written?;
+    ended?;
+    tracing::info!(
+        entries = job.entries().unwrap_or(0),
+        ms = started.elapsed().as_millis() as u64,
+        "kv: deltas merged into the disk engine's main table"
+    );
+    Ok(())
 }
 
 /// Writes the disk engine's overlay without making it durable (it passed its

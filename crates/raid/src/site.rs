@@ -154,6 +154,13 @@ pub struct Bookkeeping {
     /// Shipped-request markers indexed for reclamation (at the first copy;
     /// every copy stores the same markers, other sites index none).
     pub markers: usize,
+    /// Committed changes held in memory until the next flush of the disk
+    /// engine (0 in memory).
+    #[serde(default)]
+    pub overlay_keys: usize,
+    /// Delta tables of the disk engine not merged yet.
+    #[serde(default)]
+    pub delta_tables: usize,
 }
 
 /// The checkpoints of a site's store: how many ran and how long they took
@@ -303,9 +310,12 @@ impl RaidSite {
     /// What the site keeps now, for soak tests: committed keys (history
     /// rows included) and shipped-request markers.
     pub fn bookkeeping(&self) -> Bookkeeping {
+        let kv = self.inner.kv.stats();
         Bookkeeping {
-            store_keys: self.inner.kv.stats().keys,
+            store_keys: kv.keys,
             markers: self.inner.markers.len(),
+            overlay_keys: kv.overlay_keys,
+            delta_tables: kv.delta_tables,
         }
     }
 

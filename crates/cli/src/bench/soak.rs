@@ -79,6 +79,11 @@ pub struct Sample {
     pub markers: u64,
     /// Transactions live at the nodes' transaction managers.
     pub live_txs: u64,
+    /// Committed changes held in memory by the disk engines, summed over
+    /// the copies.
+    pub overlay_keys: u64,
+    /// Delta tables not merged yet, summed over the copies.
+    pub delta_tables: u64,
 }
 
 /// Resident set size of this process in MiB: `VmRSS` of
@@ -115,6 +120,8 @@ fn sample(cluster: &RaidCluster, t: f64, committed: u64, prev: Option<&Sample>) 
         checkpoint_ms_last: r2(cps.iter().map(|c| c.last_us).max().unwrap_or(0) as f64 / 1000.0),
         store_keys: book.iter().map(|b| b.store_keys as u64).sum(),
         markers: book.iter().map(|b| b.markers as u64).sum(),
+        overlay_keys: book.iter().map(|b| b.overlay_keys as u64).sum(),
+        delta_tables: book.iter().map(|b| b.delta_tables as u64).sum(),
         live_txs: cluster
             .nodes
             .iter()
@@ -236,8 +243,8 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
             samples.last(),
         );
         eprintln!(
-            "soak: {:>7.1}s  {:>9} committed  {:>8.0} tps  RSS {:>7.1} MiB  keys {:>9}  markers {:>7}  live txs {:>4}  checkpoints {} (max {:.1} ms)",
-            s.t_s, s.committed, s.tps, s.rss_mib, s.store_keys, s.markers, s.live_txs, s.checkpoints, s.checkpoint_ms_max
+            "soak: {:>7.1}s  {:>9} committed  {:>8.0} tps  RSS {:>7.1} MiB  keys {:>9}  overlay {:>7}  deltas {:>3}  markers {:>7}  live txs {:>4}  checkpoints {} (max {:.1} ms)",
+            s.t_s, s.committed, s.tps, s.rss_mib, s.store_keys, s.overlay_keys, s.delta_tables, s.markers, s.live_txs, s.checkpoints, s.checkpoint_ms_max
         );
         samples.push(s);
         if next >= end {
@@ -405,6 +412,8 @@ mod tests {
             store_keys: 0,
             markers: 0,
             live_txs: 0,
+            overlay_keys: 0,
+            delta_tables: 0,
         }
     }
 
