@@ -14,4 +14,7 @@
 //! Must never let the peer see a byte of a transaction that did not commit.
 
 pub mod conn;
+pub mod logger;
 pub mod packet;
+pub mod server;
+pub mod tun;
