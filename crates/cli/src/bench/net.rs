@@ -401,7 +401,7 @@ pub async fn run(a: NetArgs) -> anyhow::Result<()> {
             "sma" => archs.push(Arch::Sma),
             "2ca" => archs.push(Arch::Tca),
             "tla" => eprintln!(
-                "weft bench net: tla is not part of this build (see docs/net.md); skipped"
+                "weft bench net: tla (`weft net tla`) has no benchmark run yet: it needs root, namespaces and TUN devices (see docs/net.md); skipped"
             ),
             other => bail!("unknown architecture {other:?} (sma, 2ca)"),
         }

@@ -261,7 +261,7 @@ impl Inner {
 
     /// Applies `f` to the connection `name`, writes what it says; the
     /// outer error when there is no such connection, the inner one when `f`
-    /// refused.
+    /// refused. Wakes no waiter (a waiting caller would wake itself).
     fn try_conn<T>(
         &self,
         name: &str,
@@ -279,8 +279,6 @@ impl Inner {
             self.emit(o);
             t
         });
-        drop(st);
-        self.progress.notify_waiters();
         Ok(res)
     }
 
@@ -289,7 +287,9 @@ impl Inner {
         name: &str,
         f: impl FnOnce(&mut TlaConn, Instant) -> Result<(T, Out), TlaError>,
     ) -> Result<T, Failure> {
-        self.try_conn(name, f)?.map_err(tla_failure)
+        let res = self.try_conn(name, f)?.map_err(tla_failure);
+        self.progress.notify_waiters();
+        res
     }
 
     fn abort_old(&self, name: &str, aborted: Option<Tid>) -> Result<(), Failure> {
@@ -352,6 +352,7 @@ impl Inner {
                     match res? {
                         Ok(r) => {
                             self.st.lock().by_tid.insert(tid, conn_key(&conn)?);
+                            self.progress.notify_waiters();
                             return Ok(r);
                         }
                         Err(TlaError::Core(CoreError::Busy(_))) => {
