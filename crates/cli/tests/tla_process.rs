@@ -130,7 +130,10 @@ impl Lab {
             peer_ip: format!("10.201.{n}.2"),
             server_ip: format!("10.202.{n}.1"),
         };
-        let _ = Command::new("ip").args(["netns", "del", &lab.ns]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &lab.ns])
+            .stderr(Stdio::null())
+            .status();
         let _ = Command::new("ip")
             .args(["link", "del", &lab.server_tun])
             .stderr(Stdio::null())

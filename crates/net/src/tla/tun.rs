@@ -80,6 +80,31 @@ fn open_here(name: &str) -> io::Result<File> {
     Ok(f)
 }
 
+/// Connects a TCP socket created inside the network namespace
+/// `/var/run/netns/<netns>` to `addr` (blocking; for tools and benchmarks
+/// that play the peer from the logger's own process).
+///
+/// Fails with the system's error (NotFound for an unknown namespace,
+/// PermissionDenied without CAP_SYS_ADMIN, the connect's error).
+pub fn connect_in_netns(
+    netns: &str,
+    addr: std::net::SocketAddr,
+) -> io::Result<std::net::TcpStream> {
+    let ns_path = format!("/var/run/netns/{netns}");
+    std::thread::spawn(move || {
+        let nsf = File::open(&ns_path)?;
+        // SAFETY: as in `open`: a valid descriptor, a namespace flag, and
+        // only this short-lived thread changes namespace.
+        let r = unsafe { libc::setns(nsf.as_raw_fd(), libc::CLONE_NEWNET) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        std::net::TcpStream::connect(addr)
+    })
+    .join()
+    .map_err(|_| io::Error::other("the namespace thread panicked"))?
+}
+
 /// True when this process may create TUN devices and namespaces (root).
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
