@@ -395,6 +395,7 @@ impl TlaLab {
         let (pt, st) = (format!("wbp{n}"), format!("wbs{n}"));
         let _ = std::process::Command::new("ip")
             .args(["netns", "del", &ns])
+            .stderr(std::process::Stdio::null())
             .status();
         let _ = std::process::Command::new("ip")
             .args(["link", "del", &st])
