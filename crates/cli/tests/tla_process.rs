@@ -240,11 +240,17 @@ impl Lab {
     /// prints what it read for each (a Python repr), then closes its side
     /// and prints what else arrived.
     fn peer(&self, server: &str, n: usize) -> Proc {
+        self.peer_waiting(server, n, 60)
+    }
+
+    /// The peer, giving up on a silent connection after `wait_s` seconds
+    /// (it then prints `ERROR TimeoutError`).
+    fn peer_waiting(&self, server: &str, n: usize, wait_s: u32) -> Proc {
         let (host, port) = server.rsplit_once(':').unwrap();
         let script = r#"
 import socket, sys
-host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-s = socket.create_connection((host, port), timeout=60)
+host, port, n, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+s = socket.create_connection((host, port), timeout=wait)
 for i in range(n):
     line = b"req %d\n" % i
     s.sendall(line)
@@ -284,6 +290,7 @@ print("REST", repr(rest), flush=True)
                 host,
                 port,
                 &n.to_string(),
+                &wait_s.to_string(),
             ]),
             false,
         )
@@ -380,4 +387,33 @@ fn server_killed_after_commit_the_peer_gets_the_committed_answer_once() {
             .any(|l| l.contains("req 2") || l.contains("ABORTED")),
         "{got:?}"
     );
+}
+
+/// The logger is the only path between the peer and the server: killed
+/// while it holds a transaction's answer, nothing of that answer can reach
+/// the peer (it died with the logger's memory; the server's TCP had its
+/// acknowledgement). The peer reads the earlier committed answer, then its
+/// connection goes silent and it gives up.
+#[test]
+fn logger_killed_mid_transaction_the_peer_sees_no_byte_of_it() {
+    let Some(lab) = Lab::new(3) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut logger = lab.logger(&dir.path().join("logger"));
+    let join = logger.field("listening on");
+    let server = lab.server(
+        &join,
+        &dir.path().join("server"),
+        &["--abort-first", "--stop-before-commit", "1"],
+    );
+    let mut peer = lab.peer_waiting(&server.field("accepting on"), 3, 8);
+    server.wait_line("STOPPED before-commit 1");
+    logger.kill9();
+    let got = answers(&peer.all_lines());
+    assert_eq!(got[0], expected(1)[0], "{got:?}");
+    assert!(
+        !got.iter()
+            .any(|l| l.contains("req 1") || l.contains("ABORTED")),
+        "{got:?}"
+    );
+    assert!(got.iter().any(|l| l.starts_with("ERROR")), "{got:?}");
 }
