@@ -47,6 +47,9 @@ pub struct TlaConfig {
     /// Largest payload of a segment the logger builds (also bounded by the
     /// receiver's MSS).
     pub max_segment: usize,
+    /// A connection with no segment for this long and no transaction is
+    /// forgotten (its ends vanished without FIN or RST).
+    pub idle_timeout: Duration,
 }
 
 impl Default for TlaConfig {
@@ -55,6 +58,7 @@ impl Default for TlaConfig {
             logger: LoggerConfig::default(),
             rto: Duration::from_millis(200),
             max_segment: 1400,
+            idle_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -143,6 +147,7 @@ pub struct TlaConn {
     last_to_server: Option<(u64, u16)>,
     last_to_peer: Option<(u64, u16)>,
     closed: bool,
+    last_seen: Instant,
 }
 
 /// Position of `seq` relative to `isn + 1`, unwrapped near `near`.
@@ -193,6 +198,7 @@ impl TlaConn {
             last_to_server: None,
             last_to_peer: None,
             closed: false,
+            last_seen: now,
         };
         let mut fwd = syn.clone();
         fwd.options = packet::encode_syn_options(peer_opts);
@@ -253,6 +259,13 @@ impl TlaConn {
                 && self.fin_to_peer
                 && self.out_una > self.out_end
                 && self.core.state() == ConnState::PreTrans)
+    }
+
+    /// True when no segment came for the idle timeout and no transaction
+    /// runs or awaits its decision.
+    pub fn is_idle(&self, now: Instant) -> bool {
+        self.core.state() == ConnState::PreTrans
+            && now.saturating_duration_since(self.last_seen) >= self.cfg.idle_timeout
     }
 
     /// True once the server's FIN or RST passed (nothing more comes from it).
@@ -468,6 +481,7 @@ impl TlaConn {
     /// server answered the handshake.
     pub fn on_peer(&mut self, now: Instant, seg: &Segment) -> Result<Out, TlaError> {
         let mut out = Out::default();
+        self.last_seen = now;
         if seg.has(RST) {
             self.closed = true;
             let s = self.srv_next;
@@ -572,6 +586,7 @@ impl TlaConn {
     /// (the caller resets the connection).
     pub fn on_server(&mut self, now: Instant, seg: &Segment) -> Result<Out, TlaError> {
         let mut out = Out::default();
+        self.last_seen = now;
         if seg.has(SYN) {
             if self.server_isn.is_none() {
                 self.server_isn = Some(seg.seq);

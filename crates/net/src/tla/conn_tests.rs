@@ -171,6 +171,7 @@ impl Sim {
             },
             rto: Duration::from_millis(200),
             max_segment: 1400,
+            idle_timeout: Duration::from_secs(600),
         };
         let (mut conn, syn) = TlaConn::new(cfg, now, &peer.syn(false));
         assert!(syn.options.len() <= 8, "only MSS and window scale pass");
@@ -356,6 +357,17 @@ fn an_aborted_answer_leaves_no_hole_and_the_restart_reads_the_request_again() {
     assert_eq!(sim.server_read(4), b"next");
     assert_eq!(sim.server.rcv.len(), 12);
     assert_eq!(sim.peer.acked_max, 8);
+}
+
+#[test]
+fn an_idle_connection_is_forgotten_only_outside_a_transaction() {
+    let mut sim = Sim::new(4, 0);
+    let now = sim.now;
+    let later = now + Duration::from_secs(601);
+    assert!(!sim.conn.is_idle(now));
+    assert!(sim.conn.is_idle(later));
+    sim.conn.start(now, tid(1), 0, 0).unwrap();
+    assert!(!sim.conn.is_idle(later), "a running transaction keeps it");
 }
 
 #[test]

@@ -257,6 +257,15 @@ impl Inner {
         for o in outs {
             self.emit(o);
         }
+        let St { conns, by_tid } = &mut *st;
+        conns.retain(|k, c| {
+            let keep = !c.is_closed() && !c.is_idle(now);
+            if !keep {
+                tracing::debug!(peer = %k, "tla: connection forgotten (closed or idle)");
+                by_tid.retain(|_, v| v != k);
+            }
+            keep
+        });
     }
 
     /// Applies `f` to the connection `name`, writes what it says; the
