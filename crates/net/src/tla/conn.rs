@@ -484,7 +484,9 @@ impl TlaConn {
         self.last_seen = now;
         if seg.has(RST) {
             self.closed = true;
-            let s = self.srv_next;
+            // At the server's next expected byte: a reset elsewhere in its
+            // window only draws a challenge ACK (RFC 5961).
+            let s = self.srv_acked;
             let mut r = self.seg_to_server(s, RST, Bytes::new());
             r.flags = RST;
             out.to_server.push(r);

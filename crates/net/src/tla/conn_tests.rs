@@ -371,6 +371,23 @@ fn an_idle_connection_is_forgotten_only_outside_a_transaction() {
 }
 
 #[test]
+fn a_reset_passes_at_the_receivers_next_byte_and_ends_the_connection() {
+    let mut sim = Sim::new(5, 0);
+    sim.peer_send(b"abc");
+    let mut rst = sim.peer.seg(3, RST, &[]);
+    rst.flags = RST;
+    let o = sim.conn.on_peer(sim.now, &rst).unwrap();
+    assert_eq!(o.to_server.len(), 1);
+    let r = &o.to_server[0];
+    assert_eq!(r.flags, RST);
+    assert_eq!(
+        rel(r.seq, sim.server.other_isn, 0),
+        Some(sim.server.rcv.len() as u64)
+    );
+    assert!(sim.conn.is_closed());
+}
+
+#[test]
 fn the_servers_fin_waits_for_the_decision_and_follows_the_released_bytes() {
     let mut sim = Sim::new(3, 0);
     let now = sim.now;
