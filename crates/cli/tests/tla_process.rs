@@ -246,14 +246,23 @@ impl Lab {
     /// The peer, giving up on a silent connection after `wait_s` seconds
     /// (it then prints `ERROR TimeoutError`).
     fn peer_waiting(&self, server: &str, n: usize, wait_s: u32) -> Proc {
+        self.peer_with(server, n, wait_s, false)
+    }
+
+    /// The peer; `pipelined` sends every request line before reading.
+    fn peer_with(&self, server: &str, n: usize, wait_s: u32, pipelined: bool) -> Proc {
         let (host, port) = server.rsplit_once(':').unwrap();
         let script = r#"
 import socket, sys
 host, port, n, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+pipelined = len(sys.argv) > 5
 s = socket.create_connection((host, port), timeout=wait)
+if pipelined:
+    s.sendall(b"".join(b"req %d\n" % i for i in range(n)))
 for i in range(n):
     line = b"req %d\n" % i
-    s.sendall(line)
+    if not pipelined:
+        s.sendall(line)
     want = 3 + len(line)
     got = b""
     try:
@@ -280,18 +289,20 @@ except OSError as e:
 print("REST", repr(rest), flush=True)
 "#;
         Proc::spawn(
-            Command::new("ip").args([
-                "netns",
-                "exec",
-                &self.ns,
-                "python3",
-                "-c",
-                script,
-                host,
-                port,
-                &n.to_string(),
-                &wait_s.to_string(),
-            ]),
+            Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &self.ns,
+                    "python3",
+                    "-c",
+                    script,
+                    host,
+                    port,
+                    &n.to_string(),
+                    &wait_s.to_string(),
+                ])
+                .args(pipelined.then_some("pipelined")),
             false,
         )
     }
@@ -333,6 +344,23 @@ fn the_peer_receives_exactly_the_committed_answers_through_aborts_and_replays() 
         got, want,
         "every answer once, no byte of an aborted attempt"
     );
+}
+
+/// All requests arrive before the first transaction starts: each restart's
+/// replay is inserted after later requests the server's socket already
+/// holds, and the server's reads skip to it.
+#[test]
+fn pipelined_requests_are_replayed_in_order_after_aborts() {
+    let Some(lab) = Lab::new(4) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let logger = lab.logger(&dir.path().join("logger"));
+    let join = logger.field("listening on");
+    let server = lab.server(&join, &dir.path().join("server"), &["--abort-first"]);
+    let mut peer = lab.peer_with(&server.field("accepting on"), 8, 60, true);
+    let got = answers(&peer.all_lines());
+    let mut want = expected(8);
+    want.push("REST b''".into());
+    assert_eq!(got, want);
 }
 
 #[test]
