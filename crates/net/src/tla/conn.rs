@@ -140,6 +140,8 @@ pub struct TlaConn {
     out_buf: VecDeque<Bytes>,
     out_una: u64,
     out_nxt: u64,
+    /// Highest position sent (out_nxt goes back on a retransmission).
+    out_hi: u64,
     out_end: u64,
     fin_to_peer: bool,
     peer_wnd: u64,
@@ -191,6 +193,7 @@ impl TlaConn {
             out_buf: VecDeque::new(),
             out_una: 0,
             out_nxt: 0,
+            out_hi: 0,
             out_end: 0,
             fin_to_peer: false,
             peer_wnd: 0,
@@ -417,6 +420,7 @@ impl TlaConn {
             self.out_nxt = self.out_end + 1;
             sent = true;
         }
+        self.out_hi = self.out_hi.max(self.out_nxt);
         let now_ack = (
             self.peer_acked + u64::from(self.peer_fin_acked),
             self.window_to_peer(),
@@ -506,14 +510,12 @@ impl TlaConn {
         if seg.has(ACK) {
             self.peer_wnd = u64::from(seg.window) << peer_shift;
             if let Some(q) = rel(seg.ack, isn, self.out_una) {
-                let top = if self.fin_to_peer && self.out_nxt > self.out_end {
-                    self.out_end + 1
-                } else {
-                    self.out_nxt
-                };
+                let top = self.out_hi.max(self.out_nxt);
                 if q > self.out_una && q <= top {
                     self.trim_out(q.min(self.out_end));
                     self.out_una = q;
+                    // An acknowledgement of bytes sent before a go-back.
+                    self.out_nxt = self.out_nxt.max(q);
                     self.out_progress_at = now;
                 }
             }
