@@ -18,6 +18,8 @@ use weft_net::sma::TxStream;
 use weft_net::tca::proxy::{NetProxy, ProxyConfig};
 use weft_net::tca::server::ProxiedStream;
 use weft_net::tca::{ConnInfo, NetRequest, NetResponse};
+use weft_net::tla::logger::{TlaLogger, TlaLoggerConfig, TunSpec};
+use weft_net::tla::server::TlaStream;
 use weft_net::LoggerConfig;
 
 use crate::client::{parse_duration, resolve, Client, ClientOpts};
@@ -30,7 +32,13 @@ pub enum NetCmd {
     /// to --upstream; the server's transactions hold what it writes until
     /// they commit. The proxy is a weft node (the server joins its cluster).
     Proxy(ProxyArgs),
-    /// List a proxy's connections: state, held and logged bytes, counts.
+    /// Run the TLA transport-level logger: route IP packets between the
+    /// peer's TUN device and the server's, holding the server's segments of
+    /// a transaction until it commits (the TCP connection stays end to end).
+    /// The logger is a weft node (the server joins its cluster).
+    Tla(TlaArgs),
+    /// List a proxy's (or TLA logger's) connections: state, held and logged
+    /// bytes, counts.
     Ls(LsArgs),
     /// A transactional line server behind a proxy (tests and demos): each
     /// request line is answered with `ok <line>` in a transaction.
@@ -82,6 +90,52 @@ pub struct ProxyArgs {
     pub crash_at: Option<weft_tx::CrashPoint>,
 }
 
+/// Flags of `weft net tla`.
+#[derive(clap::Args, Debug)]
+pub struct TlaArgs {
+    /// The TUN device on the peer's side (created if absent).
+    #[arg(long)]
+    pub peer_tun: String,
+    /// The network namespace (`ip netns`) of the peer's TUN device.
+    #[arg(long)]
+    pub peer_netns: Option<String>,
+    /// The TUN device on the server's side (created if absent).
+    #[arg(long)]
+    pub server_tun: String,
+    /// The network namespace of the server's TUN device.
+    #[arg(long)]
+    pub server_netns: Option<String>,
+    /// Where the logger node's log lives (a temporary directory when absent).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// The logger node's id.
+    #[arg(long, default_value_t = 1)]
+    pub id: u32,
+    /// The logger node's weft address (the server joins through it).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub node_listen: String,
+    /// Cluster members to join through (none: the logger starts a cluster).
+    #[arg(long, value_delimiter = ',')]
+    pub join: Vec<String>,
+    /// The cluster secret.
+    #[arg(
+        long,
+        env = "WEFT_CLUSTER_SECRET",
+        default_value = "",
+        hide_env_values = true
+    )]
+    pub secret: String,
+    /// Most bytes one transaction may hold (and read) per connection.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_hold: usize,
+    /// Failure detector: probe interval.
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub heartbeat: Duration,
+    /// Failure detector: a peer silent this long is dead.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub dead_after: Duration,
+}
+
 /// Flags of `weft net ls`.
 #[derive(clap::Args, Debug)]
 pub struct LsArgs {
@@ -101,8 +155,12 @@ pub struct ServeArgs {
     #[arg(long)]
     pub accept: String,
     /// The proxy's node id (2CA: the proxy connects to --accept).
-    #[arg(long, required_unless_present = "sma")]
+    #[arg(long, required_unless_present_any = ["sma", "tla_node"])]
     pub proxy_node: Option<u32>,
+    /// TLA instead: peers connect to --accept through the TLA logger whose
+    /// node id this is.
+    #[arg(long)]
+    pub tla_node: Option<u32>,
     /// SMA instead: peers connect to --accept directly and the logger runs
     /// in this process.
     #[arg(long)]
@@ -125,6 +183,7 @@ pub struct ServeArgs {
 pub async fn run(cmd: NetCmd) -> anyhow::Result<()> {
     match cmd {
         NetCmd::Proxy(a) => proxy(a).await,
+        NetCmd::Tla(a) => tla(a).await,
         NetCmd::Ls(a) => ls(a).await,
         NetCmd::Serve(a) => serve(a).await,
     }
@@ -176,6 +235,68 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         // After the ready line: what a previous run prepared and never
         // released (its peer connection ended with that run).
         for u in proxy.undeliverable() {
+            let _ = writeln!(
+                out,
+                "UNDELIVERABLE {} {} bytes for {} ({})",
+                u.tid,
+                u.bytes,
+                u.conn,
+                if u.committed {
+                    "committed"
+                } else {
+                    "in doubt at restart"
+                }
+            );
+        }
+        let _ = out.flush();
+    }
+    node_cmd::wait_for_signal().await;
+    node.shutdown().await;
+    Ok(())
+}
+
+async fn tla(a: TlaArgs) -> anyhow::Result<()> {
+    let mut cfg = TlaLoggerConfig::new(
+        TunSpec {
+            name: a.peer_tun.clone(),
+            netns: a.peer_netns.clone(),
+        },
+        TunSpec {
+            name: a.server_tun.clone(),
+            netns: a.server_netns.clone(),
+        },
+    );
+    cfg.conn.logger.max_hold = a.max_hold;
+    let logger = TlaLogger::new(cfg);
+    let mut b = Node::builder(a.id)
+        .listen(resolve(&a.node_listen)?)
+        .secret(a.secret.as_bytes())
+        .failure_detector(a.heartbeat, a.dead_after)
+        .plugin(Arc::new(logger.clone()));
+    if let Some(dir) = &a.data_dir {
+        b = b.data_dir(dir);
+    }
+    if let Some(seed) = a.join.first() {
+        b = b.join(Seed::Tcp(resolve(seed)?));
+    }
+    let node = b
+        .start()
+        .await
+        .context("the TLA logger node did not start")?;
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(
+            out,
+            "weft net tla node {} incarnation {} listening on {} peer tun {} server tun {}",
+            node.id(),
+            node.incarnation(),
+            node.addr()
+                .map(|x| x.to_string())
+                .unwrap_or_else(|| "-".into()),
+            a.peer_tun,
+            a.server_tun
+        );
+        for u in logger.undeliverable() {
             let _ = writeln!(
                 out,
                 "UNDELIVERABLE {} {} bytes for {} ({})",
@@ -257,14 +378,20 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let node = Arc::new(node);
     loop {
         let (tcp, _) = listener.accept().await?;
-        let s = match a.proxy_node.filter(|_| !a.sma) {
-            Some(proxy) => Stream::Tca(ProxiedStream::new(
+        let s = match (a.tla_node, a.proxy_node.filter(|_| !a.sma)) {
+            (Some(logger), _) => Stream::Tla(TlaStream::new(
+                tcp,
+                node.rpc().clone(),
+                NodeId(logger),
+                LoggerConfig::default(),
+            )?),
+            (None, Some(proxy)) => Stream::Tca(ProxiedStream::new(
                 tcp,
                 node.rpc().clone(),
                 NodeId(proxy),
                 LoggerConfig::default(),
             )?),
-            None => Stream::Sma(TxStream::new(
+            (None, None) => Stream::Sma(TxStream::new(
                 tcp,
                 node.tm().clone(),
                 LoggerConfig::default(),
@@ -279,10 +406,11 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The served connection, SMA or 2CA.
+/// The served connection, SMA, 2CA or TLA.
 enum Stream {
     Sma(TxStream),
     Tca(ProxiedStream),
+    Tla(TlaStream),
 }
 
 impl Stream {
@@ -290,42 +418,49 @@ impl Stream {
         match self {
             Stream::Sma(s) => s.start(tx.tid()),
             Stream::Tca(s) => s.start(tx).await,
+            Stream::Tla(s) => s.start(tx).await,
         }
     }
     async fn restart(&self, tx: &Transaction) -> Result<(), Failure> {
         match self {
             Stream::Sma(s) => s.restart(tx.tid()),
             Stream::Tca(s) => s.restart(tx).await,
+            Stream::Tla(s) => s.restart(tx).await,
         }
     }
     async fn abort(&self, tx: Transaction, reason: &str) -> Result<(), Failure> {
         match self {
             Stream::Sma(_) => tx.abort(reason).await,
             Stream::Tca(s) => s.abort(tx, reason).await,
+            Stream::Tla(s) => s.abort(tx, reason).await,
         }
     }
     async fn commit(&self, tx: Transaction) -> Result<(), Failure> {
         match self {
             Stream::Sma(_) => tx.commit().await,
             Stream::Tca(s) => s.commit(tx).await,
+            Stream::Tla(s) => s.commit(tx).await,
         }
     }
     async fn read(&self, buf: &mut [u8]) -> Result<usize, Failure> {
         match self {
             Stream::Sma(s) => s.read(buf).await,
             Stream::Tca(s) => s.read(buf).await,
+            Stream::Tla(s) => s.read(buf).await,
         }
     }
     async fn write_all(&self, data: &[u8]) -> Result<(), Failure> {
         match self {
             Stream::Sma(s) => s.write_all(data).await,
             Stream::Tca(s) => s.write_all(data).await,
+            Stream::Tla(s) => s.write_all(data).await,
         }
     }
     async fn shutdown(&self) {
         match self {
             Stream::Sma(s) => s.shutdown().await,
             Stream::Tca(s) => s.shutdown().await,
+            Stream::Tla(s) => s.shutdown().await,
         }
     }
 }

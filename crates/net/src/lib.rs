@@ -16,5 +16,6 @@
 pub mod core;
 pub mod sma;
 pub mod tca;
+pub mod tla;
 
 pub use crate::core::{ConnState, ConnStats, CoreError, LoggerConfig};

@@ -29,6 +29,8 @@ use weft::{Node, NodeId, Seed};
 use weft_net::sma::TxStream;
 use weft_net::tca::proxy::{NetProxy, ProxyConfig};
 use weft_net::tca::server::ProxiedStream;
+use weft_net::tla::logger::{TlaLogger, TlaLoggerConfig, TunSpec};
+use weft_net::tla::server::TlaStream;
 use weft_net::LoggerConfig;
 
 use super::{check, r2, write_json};
@@ -36,7 +38,8 @@ use super::{check, r2, write_json};
 /// Flags of `weft bench net`.
 #[derive(clap::Args, Debug)]
 pub struct NetArgs {
-    /// Architectures: sma, 2ca (tla is not built: see docs/net.md).
+    /// Architectures: sma, 2ca, tla (tla needs root: it creates a network
+    /// namespace and two TUN devices for the run).
     #[arg(long, value_delimiter = ',', default_value = "sma,2ca")]
     pub arch: Vec<String>,
     /// One-way delays of the emulated link, in ms (the paper's WAN: 35, 127).
@@ -78,6 +81,7 @@ enum Arch {
     Baseline,
     Sma,
     Tca,
+    Tla,
 }
 
 impl Arch {
@@ -86,6 +90,7 @@ impl Arch {
             Arch::Baseline => "baseline",
             Arch::Sma => "sma",
             Arch::Tca => "2ca",
+            Arch::Tla => "tla",
         }
     }
 }
@@ -108,12 +113,31 @@ fn request(i: usize) -> Vec<u8> {
 
 /// A user-space link in front of `target`: each direction delivers a chunk
 /// `delay` after it finished crossing a `mbps` wire (no netem here).
-async fn link(target: SocketAddr, delay: Duration, mbps: f64) -> anyhow::Result<SocketAddr> {
+/// With `netns`, the link's connection to `target` starts in that network
+/// namespace (TLA: the peer's side of the logger).
+async fn link(
+    target: SocketAddr,
+    delay: Duration,
+    mbps: f64,
+    netns: Option<String>,
+) -> anyhow::Result<SocketAddr> {
     let l = TcpListener::bind("127.0.0.1:0").await?;
     let addr = l.local_addr()?;
     tokio::spawn(async move {
         let Ok((a, _)) = l.accept().await else { return };
-        let Ok(b) = TcpStream::connect(target).await else {
+        let b = match netns {
+            None => TcpStream::connect(target).await,
+            Some(ns) => tokio::task::spawn_blocking(move || {
+                let s = weft_net::tla::tun::connect_in_netns(&ns, target)?;
+                s.set_nonblocking(true)?;
+                Ok(s)
+            })
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+            .and_then(TcpStream::from_std),
+        };
+        let Ok(b) = b else {
+            eprintln!("weft bench net: the link could not reach {target}");
             return;
         };
         let _ = a.set_nodelay(true);
@@ -299,6 +323,156 @@ async fn run_tca(server: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<
     Ok(spent)
 }
 
+async fn run_tla(server: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<Spent> {
+    let (tcp, _) = l.accept().await?;
+    let s = TlaStream::new(
+        tcp,
+        server.rpc().clone(),
+        NodeId(TLA_NODE),
+        LoggerConfig::default(),
+    )?;
+    let mut req = [0u8; REQUEST];
+    let mut spent = Spent::default();
+    for i in 0..plan.txs {
+        let resp = response(i, plan.resp);
+        let mut tx = server.begin();
+        let t = Instant::now();
+        s.start(&tx).await?;
+        spent.control += t.elapsed();
+        s.read_exact(&mut req).await?;
+        if plan.aborts[i] {
+            compute(plan.compute / 2, &mut spent.compute).await;
+            s.write_all(&vec![b'X'; plan.resp / 2]).await?;
+            let t = Instant::now();
+            s.abort(tx, "aborted half-way (benchmark)").await?;
+            tx = server.begin();
+            s.restart(&tx).await?;
+            spent.control += t.elapsed();
+            s.read_exact(&mut req).await?;
+        }
+        compute(plan.compute, &mut spent.compute).await;
+        s.write_all(&resp).await?;
+        let t = Instant::now();
+        s.commit(tx).await?;
+        spent.control += t.elapsed();
+    }
+    s.shutdown().await;
+    Ok(spent)
+}
+
+/// The TLA logger's node id in the bench's cluster.
+const TLA_NODE: u32 = 4;
+
+/// TLA's set-up: the peer's namespace with its TUN device, the server's TUN
+/// device, routes, the logger node and the server's listener on the
+/// server's side. Removed on drop.
+struct TlaLab {
+    ns: String,
+    server_tun: String,
+    _logger: Node,
+    /// Where the server accepts peers (its address on the TUN's network).
+    listener: TcpListener,
+}
+
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    let s = std::process::Command::new("ip")
+        .args(args)
+        .status()
+        .context("running ip")?;
+    if !s.success() {
+        bail!("ip {} failed", args.join(" "));
+    }
+    Ok(())
+}
+
+impl TlaLab {
+    async fn new(dir: &std::path::Path, join: SocketAddr) -> anyhow::Result<TlaLab> {
+        if !weft_net::tla::tun::is_root() {
+            bail!("--arch tla needs root (a network namespace, TUN devices, routes)");
+        }
+        let n = std::process::id() % 200;
+        let ns = format!("wbench{n}");
+        let (pt, st) = (format!("wbp{n}"), format!("wbs{n}"));
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &ns])
+            .stderr(std::process::Stdio::null())
+            .status();
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &st])
+            .stderr(std::process::Stdio::null())
+            .status();
+        ip(&["netns", "add", &ns])?;
+        let lab_ns = ns.clone();
+        let lab_st = st.clone();
+        let cleanup = move || {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &lab_ns])
+                .status();
+            let _ = std::process::Command::new("ip")
+                .args(["link", "del", &lab_st])
+                .status();
+        };
+        let setup = || -> anyhow::Result<()> {
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            ip(&["-n", &ns, "tuntap", "add", "dev", &pt, "mode", "tun"])?;
+            ip(&["-n", &ns, "addr", "add", "10.203.0.2/24", "dev", &pt])?;
+            ip(&["-n", &ns, "link", "set", &pt, "up"])?;
+            ip(&["-n", &ns, "route", "add", "10.204.0.0/24", "dev", &pt])?;
+            ip(&["tuntap", "add", "dev", &st, "mode", "tun"])?;
+            ip(&["addr", "add", "10.204.0.1/24", "dev", &st])?;
+            ip(&["link", "set", &st, "up"])?;
+            ip(&["route", "add", "10.203.0.0/24", "dev", &st])?;
+            Ok(())
+        };
+        if let Err(e) = setup() {
+            cleanup();
+            return Err(e);
+        }
+        let logger = TlaLogger::new(TlaLoggerConfig::new(
+            TunSpec {
+                name: pt,
+                netns: Some(ns.clone()),
+            },
+            TunSpec {
+                name: st.clone(),
+                netns: None,
+            },
+        ));
+        let node = Node::builder(TLA_NODE)
+            .listen("127.0.0.1:0".parse()?)
+            .data_dir(dir.join("tla"))
+            .join(Seed::Tcp(join))
+            .plugin(Arc::new(logger))
+            .start()
+            .await;
+        let node = match node {
+            Ok(n) => n,
+            Err(e) => {
+                cleanup();
+                return Err(e).context("the TLA logger node");
+            }
+        };
+        let listener = TcpListener::bind("10.204.0.1:0").await?;
+        Ok(TlaLab {
+            ns,
+            server_tun: st,
+            _logger: node,
+            listener,
+        })
+    }
+}
+
+impl Drop for TlaLab {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .status();
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.server_tun])
+            .status();
+    }
+}
+
 /// The nodes and listeners every run of the process shares.
 struct Setup {
     _dir: tempfile::TempDir,
@@ -308,9 +482,11 @@ struct Setup {
     server: Node,
     /// Where the 2CA server accepts the proxy's connections.
     tca_upstream: TcpListener,
+    /// TLA's namespace, devices and logger, when TLA runs.
+    tla: Option<TlaLab>,
 }
 
-async fn setup() -> anyhow::Result<Setup> {
+async fn setup(with_tla: bool) -> anyhow::Result<Setup> {
     let dir = tempfile::tempdir()?;
     let local: SocketAddr = "127.0.0.1:0".parse()?;
     let sma = Node::builder(3)
@@ -331,6 +507,12 @@ async fn setup() -> anyhow::Result<Setup> {
         .join(Seed::Tcp(proxy_node.addr().context("proxy node address")?))
         .start()
         .await?;
+    let tla = if with_tla {
+        let join = proxy_node.addr().context("proxy node address")?;
+        Some(TlaLab::new(dir.path(), join).await?)
+    } else {
+        None
+    };
     Ok(Setup {
         _dir: dir,
         sma,
@@ -338,6 +520,7 @@ async fn setup() -> anyhow::Result<Setup> {
         proxy,
         server,
         tca_upstream,
+        tla,
     })
 }
 
@@ -349,16 +532,20 @@ async fn one_run(
     plan: &Plan,
 ) -> anyhow::Result<RunResult> {
     let l = TcpListener::bind("127.0.0.1:0").await?;
-    let target = match arch {
-        Arch::Tca => st.proxy.listen_addr().context("proxy listening")?,
-        _ => l.local_addr()?,
+    let (target, netns) = match (arch, &st.tla) {
+        (Arch::Tca, _) => (st.proxy.listen_addr().context("proxy listening")?, None),
+        (Arch::Tla, Some(t)) => (t.listener.local_addr()?, Some(t.ns.clone())),
+        (Arch::Tla, None) => bail!("tla was not set up"),
+        _ => (l.local_addr()?, None),
     };
-    let entry = link(target, delay, mbps).await?;
+    let entry = link(target, delay, mbps, netns).await?;
     let server = async {
-        match arch {
-            Arch::Baseline => run_baseline(&l, plan).await,
-            Arch::Sma => run_sma(&st.sma, &l, plan).await,
-            Arch::Tca => run_tca(&st.server, &st.tca_upstream, plan).await,
+        match (arch, &st.tla) {
+            (Arch::Baseline, _) => run_baseline(&l, plan).await,
+            (Arch::Sma, _) => run_sma(&st.sma, &l, plan).await,
+            (Arch::Tca, _) => run_tca(&st.server, &st.tca_upstream, plan).await,
+            (Arch::Tla, Some(t)) => run_tla(&st.server, &t.listener, plan).await,
+            (Arch::Tla, None) => bail!("tla was not set up"),
         }
     };
     let (srv, peer) = tokio::join!(server, peer(entry, plan));
@@ -400,10 +587,8 @@ pub async fn run(a: NetArgs) -> anyhow::Result<()> {
         match name.as_str() {
             "sma" => archs.push(Arch::Sma),
             "2ca" => archs.push(Arch::Tca),
-            "tla" => eprintln!(
-                "weft bench net: tla is not part of this build (see docs/net.md); skipped"
-            ),
-            other => bail!("unknown architecture {other:?} (sma, 2ca)"),
+            "tla" => archs.push(Arch::Tla),
+            other => bail!("unknown architecture {other:?} (sma, 2ca, tla)"),
         }
     }
     if archs.is_empty() {
@@ -422,7 +607,7 @@ pub async fn run(a: NetArgs) -> anyhow::Result<()> {
         a.compute_ms / 2.0,
         if a.bandwidth_mbps > 0.0 { a.bandwidth_mbps.to_string() } else { "unlimited".into() },
     );
-    let st = setup().await?;
+    let st = setup(archs.contains(&Arch::Tla)).await?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let compute = Duration::from_secs_f64(a.compute_ms / 1e3);
     let resp = a.response_kb * 1024;

@@ -82,6 +82,10 @@ pub enum NetResponse {
     Done,
     /// The connections.
     Conns(Vec<ConnInfo>),
+    /// TLA's answer to a restart: the server-space position (bytes since
+    /// the connection's start, as the server's socket counts them) where
+    /// the logger inserts the replayed input.
+    ReplayAt(u64),
 }
 
 /// One connection as `weft net ls` shows it.
