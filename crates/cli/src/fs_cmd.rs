@@ -18,7 +18,8 @@ use crate::client::{Client, ClientOpts};
 /// `weft fs` subcommands.
 #[derive(clap::Subcommand, Debug)]
 pub enum FsCmd {
-    /// Write a file from stdin (or --from FILE), replacing its content.
+    /// Write a file from stdin (or --from FILE), replacing its content;
+    /// with --offset, write into the existing file at that offset instead.
     Put {
         #[command(flatten)]
         target: Target,
@@ -27,6 +28,10 @@ pub enum FsCmd {
         /// Read this local file instead of stdin.
         #[arg(long)]
         from: Option<PathBuf>,
+        /// Write at this offset of the existing file (a range write) instead
+        /// of replacing it.
+        #[arg(long)]
+        offset: Option<u64>,
     },
     /// Print a file.
     Cat {
@@ -180,18 +185,22 @@ pub async fn run(cmd: FsCmd) -> anyhow::Result<()> {
 
 async fn execute(s: &Session, cmd: FsCmd) -> anyhow::Result<()> {
     match cmd {
-        FsCmd::Put { path, from, .. } => {
+        FsCmd::Put {
+            path, from, offset, ..
+        } => {
             let mut input: Box<dyn Read + Send> = match from {
                 Some(f) => Box::new(std::fs::File::open(&f)?),
                 None => Box::new(std::io::stdin()),
             };
-            s.op(FsOp::Create {
-                path: path.clone(),
-                exclusive: false,
-            })
-            .await?;
+            if offset.is_none() {
+                s.op(FsOp::Create {
+                    path: path.clone(),
+                    exclusive: false,
+                })
+                .await?;
+            }
             let mut buf = vec![0u8; REMOTE_CHUNK];
-            let mut offset = 0u64;
+            let mut offset = offset.unwrap_or(0);
             loop {
                 let n = fill(&mut input, &mut buf)?;
                 if n == 0 {
