@@ -627,7 +627,19 @@ impl Volume {
         let f = self.name_of(from)?;
         let t = self.name_of(to)?;
         if f == t {
-            return Ok(());
+            // Renaming a file onto itself changes nothing, if it exists.
+            self.lock(xid.tid, &f, Mode::Shared).await?;
+            return match self.seen(
+                self.existing_branch(xid.tid)
+                    .as_ref()
+                    .map(|b| b.lock())
+                    .as_deref(),
+                &f,
+            )? {
+                Seen::Absent => Err(FsError::NotFound(f.to_string())),
+                Seen::Dir => Err(FsError::Unsupported(format!("{f}: renaming a directory"))),
+                _ => Ok(()),
+            };
         }
         // A fixed order, so two renames of the same pair wait, not cross.
         let (a, z) = if f < t { (&f, &t) } else { (&t, &f) };

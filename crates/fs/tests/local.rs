@@ -451,3 +451,32 @@ async fn a_committed_transaction_survives_a_restart_and_orphans_are_cleaned() {
     assert!(!s.dir.path().join("b").exists());
     no_staging_left(s.dir.path());
 }
+
+#[tokio::test]
+async fn an_aborted_sub_transaction_that_changed_files_makes_the_transaction_vote_no() {
+    let s = setup().await;
+    let tx = s.node.begin();
+    s.vol.create(tx.context(), "kept", true).await.unwrap();
+    // A sub-transaction that only read and aborted does not doom it...
+    let sub = tx.sub().unwrap();
+    let _ = s.vol.list(sub.context(), "").await.unwrap();
+    sub.abort().unwrap();
+    // ...one that changed a file and aborted does (its change cannot be
+    // undone alone yet): commit reports the abort, nothing is applied.
+    let sub = tx.sub().unwrap();
+    s.vol.create(sub.context(), "sub", true).await.unwrap();
+    sub.abort().unwrap();
+    let e = tx.commit().await.unwrap_err();
+    assert_eq!(e.status, weft::Status::Aborted, "{e}");
+    wait_applied(&s.fs).await;
+    assert!(!s.dir.path().join("kept").exists());
+    assert!(!s.dir.path().join("sub").exists());
+    // A committed sub-transaction's changes pass to its parent.
+    let tx = s.node.begin();
+    let sub = tx.sub().unwrap();
+    s.vol.create(sub.context(), "from-sub", true).await.unwrap();
+    sub.commit().unwrap();
+    tx.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    assert!(s.dir.path().join("from-sub").exists());
+}
