@@ -480,3 +480,83 @@ async fn an_aborted_sub_transaction_that_changed_files_makes_the_transaction_vot
     wait_applied(&s.fs).await;
     assert!(s.dir.path().join("from-sub").exists());
 }
+
+/// A real full file system (a 2 MiB tmpfs, mounted as root): staging past
+/// the space fails with NoSpace, the transaction can still end cleanly, and
+/// a commit whose growth does not fit votes No, leaving the volume intact.
+#[tokio::test]
+async fn a_full_file_system_gives_no_space_and_votes_no() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: mounting a small tmpfs needs root (CI runs as root)");
+        return;
+    }
+    let mnt = tempfile::tempdir().unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2m", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        println!("skipped: cannot mount a tmpfs here (no mount permission in this container)");
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _guard = Unmount(mnt.path().to_path_buf());
+    std::fs::write(mnt.path().join("f"), vec![1u8; 512 << 10]).unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        FsConfig {
+            limits: VolumeLimits {
+                reserve_bytes: 0,
+                ..VolumeLimits::default()
+            },
+            ..FsConfig::default()
+        }
+        .volume("v", mnt.path()),
+    )
+    .unwrap();
+    let node = Node::builder(1)
+        .data_dir(data.path())
+        .plugin(Arc::new(fs.clone()))
+        .start()
+        .await
+        .unwrap();
+    let v = fs.local("v").unwrap();
+    // Staging 4 MiB on a 2 MiB file system fails with NoSpace.
+    let tx = node.begin();
+    v.create(tx.context(), "big", true).await.unwrap();
+    let e = v
+        .write(tx.context(), "big", 0, Bytes::from(vec![2u8; 4 << 20]))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::NoSpace(_)), "{e}");
+    tx.abort("full").await.unwrap();
+    wait_applied(&fs).await;
+    // A range write whose redo fits but whose growth at commit does not:
+    // prepare votes No.
+    let tx = node.begin();
+    v.write(
+        tx.context(),
+        "f",
+        1 << 20,
+        Bytes::from(vec![3u8; 600 << 10]),
+    )
+    .await
+    .unwrap();
+    let e = tx.commit().await.unwrap_err();
+    assert_eq!(e.status, weft::Status::Aborted, "{e}");
+    wait_applied(&fs).await;
+    assert_eq!(
+        std::fs::read(mnt.path().join("f")).unwrap(),
+        vec![1u8; 512 << 10]
+    );
+    assert!(!mnt.path().join("big").exists());
+    node.shutdown().await;
+}
