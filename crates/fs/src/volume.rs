@@ -128,6 +128,9 @@ struct Branch {
     plan: Option<(Plan, u64)>,
     /// Commit is applying the plan.
     applying: bool,
+    /// Rebuilt from the log after a restart: staging copies of inline data
+    /// may have been lost with the machine, so commit rewrites them.
+    recovered: bool,
 }
 
 /// What a name is in a view.
@@ -331,6 +334,7 @@ impl Volume {
                     state: BranchState::Active,
                     plan: None,
                     applying: false,
+                    recovered: false,
                 }))
             })
             .clone()
@@ -1222,14 +1226,14 @@ impl Volume {
             self.inner.locks.release_all(tid);
             return;
         };
-        let (plan, stage) = {
+        let (plan, stage, recovered) = {
             let mut b = b.lock();
             if b.applying {
                 return; // a repeated commit: the first one applies
             }
             b.applying = true;
             match &b.plan {
-                Some((plan, _)) => (plan.clone(), b.stage.clone()),
+                Some((plan, _)) => (plan.clone(), b.stage.clone(), b.recovered),
                 None => {
                     // Not prepared here (one-phase end of an empty branch).
                     drop(b);
@@ -1240,7 +1244,7 @@ impl Volume {
         };
         let mut tries = 0;
         loop {
-            match apply(&self.inner.root, &stage, &plan, false, hook) {
+            match apply(&self.inner.root, &stage, &plan, recovered, hook) {
                 Ok(()) => break,
                 Err(e) if tries < 3 => {
                     tries += 1;
@@ -1383,6 +1387,7 @@ impl Volume {
         let mut b = b.lock();
         b.state = BranchState::Prepared;
         b.stage_made = true;
+        b.recovered = true;
         b.plan = Some((plan, lsn));
         Ok(())
     }

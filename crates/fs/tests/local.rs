@@ -560,3 +560,55 @@ async fn a_full_file_system_gives_no_space_and_votes_no() {
     assert!(!mnt.path().join("big").exists());
     node.shutdown().await;
 }
+
+/// The machine loses what was never forced (simulated: the staging copies
+/// of inline data are emptied) after the commit record is durable and
+/// before anything was applied: recovery applies the commit from the
+/// record's inline data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_rewrites_inline_data_lost_with_the_machine() {
+    let data = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("patched"), "0123456789").unwrap();
+    let fs = Fs::new(FsConfig::default().volume("v", dir.path())).unwrap();
+    let (tx_hit, mut rx_hit) = tokio::sync::mpsc::unbounded_channel();
+    let hook: weft_tx::CrashHook = Arc::new(move |_, tid| {
+        let _ = tx_hit.send(tid);
+    });
+    let node = Node::builder(1)
+        .data_dir(data.path())
+        .tm_config(weft::TmConfig {
+            crash_at: Some((weft_tx::CrashPoint::CoordinatorAfterCommitForce, hook)),
+            ..weft::TmConfig::default()
+        })
+        .plugin(Arc::new(fs.clone()))
+        .start()
+        .await
+        .unwrap();
+    let v = fs.local("v").unwrap();
+    let tx = node.begin();
+    let c = tx.context().clone();
+    v.create(&c, "new", true).await.unwrap();
+    v.write(&c, "new", 0, Bytes::from_static(b"inline content"))
+        .await
+        .unwrap();
+    v.write(&c, "patched", 2, Bytes::from_static(b"AB"))
+        .await
+        .unwrap();
+    let committing = tokio::spawn(async move { tx.commit().await });
+    rx_hit.recv().await.expect("the crash point is reached");
+    node.crash();
+    committing.abort();
+    // Unforced data is gone: every staging copy is empty.
+    let stage = dir.path().join(".weft-fs/stage");
+    for t in std::fs::read_dir(&stage).unwrap() {
+        for f in std::fs::read_dir(t.unwrap().path()).unwrap() {
+            std::fs::File::create(f.unwrap().path()).unwrap();
+        }
+    }
+    drop(node);
+    let s = setup_with(VolumeLimits::default(), Some(data), Some(dir)).await;
+    wait_applied(&s.fs).await;
+    assert_eq!(read(s.dir.path(), "new").unwrap(), "inline content");
+    assert_eq!(read(s.dir.path(), "patched").unwrap(), "01AB456789");
+}
