@@ -227,6 +227,10 @@ impl Fs {
                 v.rmdir(xid, &path).await?;
                 FsReply::Done
             }
+            FsOp::Symlink { path, target } => {
+                v.symlink(xid, &path, &target).await?;
+                FsReply::Done
+            }
             FsOp::Stat { path, mode } => FsReply::Meta(v.stat(xid, &path, mode).await?),
             FsOp::List { path } => FsReply::Entries(v.list(xid, &path).await?),
             FsOp::Read {
@@ -592,6 +596,22 @@ impl VolumeRef {
     /// [`VolumeRef::create`].
     pub async fn rmdir(&self, tx: &TxContext, path: &str) -> Result<(), FsError> {
         self.done(tx, FsOp::Rmdir { path: path.into() }).await
+    }
+
+    /// Creates a symbolic link `path` -> `target` (stored as given, never
+    /// followed by weft).
+    ///
+    /// Fails with AlreadyExists, NotFound, BadPath (target), and like
+    /// [`VolumeRef::create`].
+    pub async fn symlink(&self, tx: &TxContext, path: &str, target: &str) -> Result<(), FsError> {
+        self.done(
+            tx,
+            FsOp::Symlink {
+                path: path.into(),
+                target: target.into(),
+            },
+        )
+        .await
     }
 
     /// Describes a name (None when absent).

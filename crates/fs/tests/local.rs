@@ -612,3 +612,54 @@ async fn recovery_rewrites_inline_data_lost_with_the_machine() {
     assert_eq!(read(s.dir.path(), "new").unwrap(), "inline content");
     assert_eq!(read(s.dir.path(), "patched").unwrap(), "01AB456789");
 }
+
+#[tokio::test]
+async fn symbolic_links_are_made_and_moved_never_followed() {
+    let s = setup().await;
+    std::os::unix::fs::symlink("somewhere", s.dir.path().join("old-link")).unwrap();
+    let tx = s.node.begin();
+    let c = tx.context().clone();
+    s.vol.symlink(&c, "link", "target/file").await.unwrap();
+    let e = s.vol.symlink(&c, "link", "x").await.unwrap_err();
+    assert!(matches!(e, FsError::AlreadyExists(_)), "{e}");
+    let m = s
+        .vol
+        .stat(&c, "link", ReadMode::Degree2)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(m.kind, FileKind::Symlink);
+    let e = s
+        .vol
+        .read(&c, "link", 0, 1, ReadMode::Degree2)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::Unsupported(_)), "{e}");
+    s.vol.mkdir(&c, "d").await.unwrap();
+    s.vol.rename(&c, "link", "d/link").await.unwrap();
+    s.vol.rename(&c, "old-link", "d/old-link").await.unwrap();
+    let kinds: Vec<(String, FileKind)> = s
+        .vol
+        .list(&c, "d")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.name, e.meta.kind))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("link".to_string(), FileKind::Symlink),
+            ("old-link".to_string(), FileKind::Symlink)
+        ]
+    );
+    assert!(s.dir.path().join("old-link").symlink_metadata().is_ok());
+    tx.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    let link = std::fs::read_link(s.dir.path().join("d/link")).unwrap();
+    assert_eq!(link, Path::new("target/file"));
+    let old = std::fs::read_link(s.dir.path().join("d/old-link")).unwrap();
+    assert_eq!(old, Path::new("somewhere"));
+    assert!(s.dir.path().join("old-link").symlink_metadata().is_err());
+    assert!(s.dir.path().join("link").symlink_metadata().is_err());
+}
