@@ -799,3 +799,39 @@ fn fill(r: &mut (dyn Read + Send), buf: &mut [u8]) -> std::io::Result<usize> {
     }
     Ok(done)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn volumes_are_named_and_found_by_directory() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        std::fs::create_dir(b.path().join("sub")).unwrap();
+        let cfg = FsConfig::default()
+            .volume_spec(&a.path().display().to_string())
+            .unwrap()
+            .volume_spec(&format!("named={}", b.path().display()))
+            .unwrap();
+        let fs = Fs::new(cfg).unwrap();
+        let a_name = a.path().file_name().unwrap().to_string_lossy().to_string();
+        assert!(fs.volume(&a_name).is_ok());
+        assert!(matches!(fs.volume("nope"), Err(FsError::NoSuchVolume(_))));
+        let (v, rest) = fs.volume_of(&b.path().join("sub")).unwrap();
+        assert_eq!((v.name(), rest.as_str()), ("named", "sub"));
+        let elsewhere = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            fs.volume_of(elsewhere.path()),
+            Err(FsError::NoSuchVolume(_))
+        ));
+        assert!(matches!(
+            FsConfig::default().volume_spec("=/x"),
+            Err(FsError::BadPath(_))
+        ));
+        let dup = FsConfig::default()
+            .volume("x", a.path())
+            .volume("x", b.path());
+        assert!(matches!(Fs::new(dup), Err(FsError::BadPath(_))));
+    }
+}
