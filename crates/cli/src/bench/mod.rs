@@ -6,6 +6,7 @@
 
 pub mod commit;
 pub mod debitcredit;
+pub mod fs;
 pub mod kvstore;
 pub mod log;
 pub mod net;
@@ -49,6 +50,9 @@ pub enum BenchCmd {
     /// Shared state (InterWeave): diffs vs deep copies, cached reads, the
     /// TMT's cost on a null RPC, a call chain over uncommitted updates.
     State(state::StateArgs),
+    /// Transactional files against plain files (QuickSilver's Table 2):
+    /// creating 100 small files, reading 256 KiB files.
+    Fs(fs::FsArgs),
 }
 
 /// Runs a benchmark.
@@ -63,6 +67,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Net(a) => net::run(a).await,
         BenchCmd::Kvstore(a) => kvstore::run(a).await,
         BenchCmd::State(a) => state::run(a).await,
+        BenchCmd::Fs(a) => fs::run(a).await,
     }
 }
 
