@@ -12,6 +12,7 @@ mod net_cmd;
 mod node_cmd;
 mod raid_acks;
 mod raid_cmd;
+mod run;
 mod sim_cmd;
 mod status_cmd;
 mod tx_cmd;
@@ -59,6 +60,12 @@ enum Cmd {
     /// connections.
     #[command(subcommand)]
     Net(net_cmd::NetCmd),
+    /// Run a program under a default transaction: its changes in --fs
+    /// directories (and its weft commands) commit when it exits 0.
+    Run(run::RunArgs),
+    /// Named leases held for a process (`weft run`), released when it ends.
+    #[command(subcommand)]
+    Lease(run::LeaseCmd),
 }
 
 fn main() {
@@ -98,6 +105,8 @@ fn main() {
             Cmd::Bench(c) => bench::run(c).await,
             Cmd::Net(c) => net_cmd::run(c).await,
             Cmd::Sim(a) => sim_cmd::run(a).await,
+            Cmd::Run(a) => run::run(a).await,
+            Cmd::Lease(c) => run::lease_cmd(c).await,
         }
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));

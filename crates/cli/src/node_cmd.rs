@@ -231,7 +231,8 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
     let b = args
         .builder()?
         .plugin(Arc::new(kv))
-        .plugin(weft_group::GroupPlugin::new(Default::default()));
+        .plugin(weft_group::GroupPlugin::new(Default::default()))
+        .plugin(Arc::new(crate::run::lease::LeasePlugin::default()));
     let node = args.start(b).await?;
     announce(&node);
     wait_for_signal().await;
