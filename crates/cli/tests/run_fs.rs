@@ -1,0 +1,310 @@
+//! `weft run --fs DIR -- CMD`: an unmodified program's file changes commit
+//! when it exits 0 and leave no trace otherwise (a failure, a signal, a
+//! crash of `weft run` itself), two runs changing one file never mix, and
+//! a run inside a run is a sub-transaction. Real processes; the overlay
+//! mounts need root (or user namespaces): without them the tests say so
+//! and skip.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+fn wcmd(args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = weft();
+    for k in [
+        "WEFT_TX",
+        "WEFT_NODE",
+        "WEFT_NOTIFY_TX",
+        "WEFT_RUN_OVERLAYS",
+        "WEFT_CLUSTER_SECRET",
+    ] {
+        cmd.env_remove(k);
+    }
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_weft"));
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![bin.parent().unwrap().to_path_buf()];
+    paths.extend(std::env::split_paths(&path));
+    cmd.env("PATH", std::env::join_paths(paths).unwrap());
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+fn wrun_in(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = wcmd(args, env).current_dir(dir).output().expect("weft runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// True when this machine can make the private overlay mounts (root, or
+/// unprivileged user namespaces); else prints why the test skips.
+fn can_mount(test: &str) -> bool {
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false);
+    let userns = || {
+        Command::new("unshare")
+            .args(["-m", "-r", "true"])
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    let ok = root || userns();
+    if !ok {
+        eprintln!(
+            "SKIPPED {test}: weft run's overlay mounts need root or unprivileged user \
+             namespaces, which this machine does not allow (CI runs as root)"
+        );
+    }
+    ok
+}
+
+/// Every entry under `dir` (the file store's reserved area aside), files
+/// with their contents: a picture to compare before and after.
+fn tree(dir: &Path) -> BTreeMap<String, Option<String>> {
+    fn walk(root: &Path, d: &Path, out: &mut BTreeMap<String, Option<String>>) {
+        for e in std::fs::read_dir(d).unwrap() {
+            let e = e.unwrap();
+            let p = e.path();
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            if rel.starts_with(".weft-fs") {
+                continue;
+            }
+            if p.is_dir() {
+                out.insert(rel, None);
+                walk(root, &p, out);
+            } else {
+                out.insert(rel, Some(std::fs::read_to_string(&p).unwrap_or_default()));
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+/// A volume directory holding `c` and `keep/k`.
+fn volume(t: &Path) -> PathBuf {
+    let v = t.join("vol");
+    std::fs::create_dir_all(v.join("keep")).unwrap();
+    std::fs::write(v.join("c"), "old c\n").unwrap();
+    std::fs::write(v.join("keep/k"), "k\n").unwrap();
+    v
+}
+
+const SCRIPT: &str = "echo x > a; mv a b; rm c; mkdir d; echo y > keep/k; exit";
+
+#[test]
+fn a_failed_program_leaves_no_trace_and_a_successful_one_applies_everything() {
+    if !can_mount("a_failed_program_leaves_no_trace") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let v = volume(t.path());
+    let before = tree(&v);
+    let vs = v.display().to_string();
+    let (code, _, err) = wrun_in(
+        &v,
+        &["run", "--fs", &vs, "--", "sh", "-c", &format!("{SCRIPT} 1")],
+        &[],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(tree(&v), before, "exit 1 left a trace");
+    let (code, _, err) = wrun_in(
+        &v,
+        &["run", "--fs", &vs, "--", "sh", "-c", &format!("{SCRIPT} 0")],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let after = tree(&v);
+    let want: BTreeMap<String, Option<String>> = [
+        ("b", Some("x\n")),
+        ("d", None),
+        ("keep", None),
+        ("keep/k", Some("y\n")),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.map(str::to_string)))
+    .collect();
+    assert_eq!(after, want);
+    // Nothing of the runs is left beside the volume but the node's data.
+    let scratch = t.path().join(".vol.weft/run");
+    assert_eq!(std::fs::read_dir(&scratch).unwrap().count(), 0);
+}
+
+#[test]
+fn a_program_killed_by_a_signal_and_a_killed_weft_run_leave_no_trace() {
+    if !can_mount("a_program_killed_by_a_signal") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let v = volume(t.path());
+    let before = tree(&v);
+    let vs = v.display().to_string();
+    // The program kills itself half-way.
+    let (code, _, err) = wrun_in(
+        &v,
+        &[
+            "run",
+            "--fs",
+            &vs,
+            "--",
+            "sh",
+            "-c",
+            "echo x > a; mv a b; kill -9 $$; rm c",
+        ],
+        &[],
+    );
+    assert_eq!(code, 137, "{err}");
+    assert_eq!(tree(&v), before);
+    // weft run itself is killed (SIGKILL) while the program is half-way:
+    // the program dies with it, and the next run cleans up and recovers.
+    let mid = t.path().join("mid");
+    let script = format!(
+        "echo x > a; mv a b; rm c; touch {}; sleep 60",
+        mid.display()
+    );
+    let mut run = wcmd(&["run", "--fs", &vs, "--", "sh", "-c", &script], &[])
+        .current_dir(&v)
+        .spawn()
+        .unwrap();
+    eventually("the program half-way", Duration::from_secs(30), || {
+        mid.exists().then_some(())
+    });
+    run.kill().unwrap();
+    run.wait().unwrap();
+    assert_eq!(tree(&v), before);
+    let (code, _, err) = wrun_in(&v, &["run", "--fs", &vs, "--", "true"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(tree(&v), before);
+    let scratch = t.path().join(".vol.weft/run");
+    assert_eq!(
+        std::fs::read_dir(&scratch).unwrap().count(),
+        0,
+        "the crashed run's scratch area is gone"
+    );
+}
+
+#[test]
+fn a_run_inside_a_run_is_a_sub_transaction_of_it() {
+    if !can_mount("a_run_inside_a_run") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let v = volume(t.path());
+    let vs = v.display().to_string();
+    // The inner runs share the outer one's node and transaction ($WEFT_NODE,
+    // $WEFT_TX); the second fails alone, the outer one sees the first's
+    // changes, and they commit with the outer one.
+    let script = format!(
+        "weft run --fs {vs} -- sh -c 'echo in > n' && cat n > copy && \
+         ! weft run --fs {vs} -- sh -c 'echo bad > m; rm c; exit 3' && test -e c && test ! -e m"
+    );
+    let (code, _, err) = wrun_in(&v, &["run", "--fs", &vs, "--", "sh", "-c", &script], &[]);
+    assert_eq!(code, 0, "{err}");
+    let after = tree(&v);
+    assert_eq!(after.get("n"), Some(&Some("in\n".to_string())));
+    assert_eq!(after.get("copy"), Some(&Some("in\n".to_string())));
+    assert_eq!(after.get("c"), Some(&Some("old c\n".to_string())));
+    assert!(!after.contains_key("m"));
+    // An outer failure drops what the inner run committed into it.
+    let script = format!("weft run --fs {vs} -- sh -c 'echo in2 > n2'; exit 1");
+    let (code, _, err) = wrun_in(&v, &["run", "--fs", &vs, "--", "sh", "-c", &script], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(!v.join("n2").exists());
+}
+
+#[test]
+fn two_runs_changing_one_file_never_mix_one_commits_the_other_conflicts() {
+    if !can_mount("two_runs_changing_one_file") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let v = volume(t.path());
+    let vs = v.display().to_string();
+    let n = NodeProc::start(
+        1,
+        &[
+            "--volume",
+            &vs,
+            "--data-dir",
+            &data_dir(t.path(), 1),
+        ],
+    );
+    let env = [("WEFT_NODE", n.addr.as_str())];
+    let flag = |name: &str| t.path().join(name);
+    let script = |who: &str| {
+        format!(
+            "echo {who}1 > c; echo {who}2 > keep/k; touch {}; while [ ! -e {} ]; do sleep 0.02; done",
+            flag(&format!("ready{who}")).display(),
+            flag(&format!("go{who}")).display()
+        )
+    };
+    let spawn = |who: &str| {
+        wcmd(&["run", "--fs", &vs, "--", "sh", "-c", &script(who)], &env)
+            .current_dir(&v)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = spawn("A");
+    let b = spawn("B");
+    for who in ["A", "B"] {
+        let f = flag(&format!("ready{who}"));
+        eventually(&format!("run {who} ready"), Duration::from_secs(30), || {
+            f.exists().then_some(())
+        });
+    }
+    // Both changed both files; A ends first and commits.
+    std::fs::write(flag("goA"), b"").unwrap();
+    let a = a.wait_with_output().unwrap();
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    std::fs::write(flag("goB"), b"").unwrap();
+    let b = b.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&b.stderr);
+    assert_eq!(b.status.code(), Some(4), "B must fail with a conflict: {err}");
+    assert!(err.contains("LockConflict"), "{err}");
+    let after = tree(&v);
+    assert_eq!(after.get("c"), Some(&Some("A1\n".to_string())));
+    assert_eq!(after.get("keep/k"), Some(&Some("A2\n".to_string())));
+}
+
+#[test]
+fn what_a_volume_cannot_hold_fails_the_run_cleanly() {
+    if !can_mount("what_a_volume_cannot_hold") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let v = volume(t.path());
+    let before = tree(&v);
+    let vs = v.display().to_string();
+    let (code, _, err) = wrun_in(
+        &v,
+        &[
+            "run",
+            "--fs",
+            &vs,
+            "--",
+            "sh",
+            "-c",
+            "echo x > a; ln -s /etc/passwd link",
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("symbolic link"), "{err}");
+    assert_eq!(tree(&v), before);
+}
