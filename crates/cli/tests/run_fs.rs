@@ -38,7 +38,10 @@ fn wcmd(args: &[&str], env: &[(&str, &str)]) -> Command {
 }
 
 fn wrun_in(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
-    let out = wcmd(args, env).current_dir(dir).output().expect("weft runs");
+    let out = wcmd(args, env)
+        .current_dir(dir)
+        .output()
+        .expect("weft runs");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -235,15 +238,7 @@ fn two_runs_changing_one_file_never_mix_one_commits_the_other_conflicts() {
     let t = tempfile::tempdir().unwrap();
     let v = volume(t.path());
     let vs = v.display().to_string();
-    let n = NodeProc::start(
-        1,
-        &[
-            "--volume",
-            &vs,
-            "--data-dir",
-            &data_dir(t.path(), 1),
-        ],
-    );
+    let n = NodeProc::start(1, &["--volume", &vs, "--data-dir", &data_dir(t.path(), 1)]);
     let env = [("WEFT_NODE", n.addr.as_str())];
     let flag = |name: &str| t.path().join(name);
     let script = |who: &str| {
@@ -275,7 +270,11 @@ fn two_runs_changing_one_file_never_mix_one_commits_the_other_conflicts() {
     std::fs::write(flag("goB"), b"").unwrap();
     let b = b.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&b.stderr);
-    assert_eq!(b.status.code(), Some(4), "B must fail with a conflict: {err}");
+    assert_eq!(
+        b.status.code(),
+        Some(4),
+        "B must fail with a conflict: {err}"
+    );
     assert!(err.contains("LockConflict"), "{err}");
     let after = tree(&v);
     assert_eq!(after.get("c"), Some(&Some("A1\n".to_string())));

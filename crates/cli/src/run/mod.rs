@@ -153,66 +153,111 @@ async fn run_in(
     enclosing: &[PathBuf],
 ) -> anyhow::Result<i32> {
     let deadline_ms = args.deadline.as_millis().min(u64::MAX as u128) as u64;
-    let (ctx, own) = match &args.tx {
-        Some(xid) => {
-            let r = s
-                .tx(xid.tid.node, TxRequest::SubBegin(xid.clone()))
-                .await
-                .with_context(|| format!("cannot join {xid}"))?;
-            let TxReply::Begun(ctx) = r else {
-                anyhow::bail!("unexpected reply {r:?}")
-            };
-            (ctx, Own::Sub)
-        }
-        None => {
-            let r = s
-                .client
-                .call_here(
-                    TX_SERVICE,
-                    TxRequest::Begin {
-                        timeout_ms: Some(deadline_ms),
-                    },
-                )
-                .await
-                .context("cannot begin the transaction")?;
-            let TxReply::Begun(ctx) = r else {
-                anyhow::bail!("unexpected reply {r:?}")
-            };
-            (ctx, Own::Top)
+    let begin_main = async {
+        match &args.tx {
+            Some(xid) => {
+                let r = s
+                    .tx(xid.tid.node, TxRequest::SubBegin(xid.clone()))
+                    .await
+                    .with_context(|| format!("cannot join {xid}"))?;
+                let TxReply::Begun(ctx) = r else {
+                    anyhow::bail!("unexpected reply {r:?}")
+                };
+                Ok((ctx, Own::Sub))
+            }
+            None => {
+                let r = s
+                    .client
+                    .call_here(
+                        TX_SERVICE,
+                        TxRequest::Begin {
+                            timeout_ms: Some(deadline_ms),
+                        },
+                    )
+                    .await
+                    .context("cannot begin the transaction")?;
+                let TxReply::Begun(ctx) = r else {
+                    anyhow::bail!("unexpected reply {r:?}")
+                };
+                Ok((ctx, Own::Top))
+            }
         }
     };
     // The notification transaction: only ever aborted, when the process
     // ends (or at its deadline, if this run dies first).
-    let notify = match s
-        .client
-        .call_here(
-            TX_SERVICE,
-            TxRequest::Begin {
-                timeout_ms: Some(deadline_ms),
-            },
-        )
-        .await
-    {
-        Ok(TxReply::Begun(n)) => n,
-        Ok(r) => anyhow::bail!("unexpected reply {r:?}"),
-        Err(f) => {
-            end(s, &ctx, own, false, "no notification transaction").await;
-            return Err(anyhow::Error::new(f).context("cannot begin the notification transaction"));
+    let begin_notify = async {
+        match s
+            .client
+            .call_here(
+                TX_SERVICE,
+                TxRequest::Begin {
+                    timeout_ms: Some(deadline_ms),
+                },
+            )
+            .await
+        {
+            Ok(TxReply::Begun(n)) => Ok(n),
+            Ok(r) => Err(anyhow::anyhow!("unexpected reply {r:?}")),
+            Err(f) => {
+                Err(anyhow::Error::new(f).context("cannot begin the notification transaction"))
+            }
+        }
+    };
+    let (main, notify) = tokio::join!(begin_main, begin_notify);
+    let (ctx, own, notify) = match (main, notify) {
+        (Ok((ctx, own)), Ok(n)) => (ctx, own, n),
+        (Ok((ctx, own)), Err(e)) => {
+            end(s, &ctx, own, "no notification transaction").await;
+            return Err(e);
+        }
+        (Err(e), n) => {
+            if let Ok(n) = n {
+                let _ = s
+                    .tx(
+                        n.tid.node,
+                        TxRequest::Abort(n.tid, "no default transaction".into()),
+                    )
+                    .await;
+            }
+            return Err(e);
         }
     };
     let status = spawn_and_wait(args, s, capture, &ctx, &notify).await;
     // The process ended: tell its one-phase participants, whatever happens
-    // to its default transaction.
-    let _ = s
-        .tx(
-            notify.tid.node,
-            TxRequest::Abort(notify.tid, "the process ended".into()),
-        )
-        .await;
+    // to its default transaction (at the same time as that ends).
+    let ended = async {
+        if let Err(f) = s
+            .tx(
+                notify.tid.node,
+                TxRequest::Abort(notify.tid, "the process ended".into()),
+            )
+            .await
+        {
+            tracing::warn!("ending the notification transaction {}: {f}", notify.tid);
+        }
+    };
+    let (_, result) = tokio::join!(
+        ended,
+        finish(args, s, capture, enclosing, &ctx, own, status)
+    );
+    result
+}
+
+/// Ends the run's transaction after the program's exit `status`: applies
+/// the captured changes and commits after exit 0, aborts otherwise.
+async fn finish(
+    args: &RunArgs,
+    s: &Session,
+    capture: Option<&Capture>,
+    enclosing: &[PathBuf],
+    ctx: &TxContext,
+    own: Own,
+    status: anyhow::Result<std::process::ExitStatus>,
+) -> anyhow::Result<i32> {
     let status = match status {
         Ok(st) => st,
         Err(e) => {
-            end(s, &ctx, own, false, "weft run could not run the program").await;
+            end(s, ctx, own, "weft run could not run the program").await;
             return Err(e);
         }
     };
@@ -223,14 +268,14 @@ async fn run_in(
             (None, Some(sig)) => (128 + sig, format!("was killed by signal {sig}")),
             (None, None) => (1, "ended abnormally".to_string()),
         };
-        end(s, &ctx, own, false, &format!("the program {what}")).await;
+        end(s, ctx, own, &format!("the program {what}")).await;
         eprintln!("weft run: the program {what}; {xid} aborted, nothing it changed was kept");
         return Ok(code);
     }
     if let Some(c) = capture {
-        let applied = apply::apply_all(s, c, &ctx, enclosing, args.timeout).await;
+        let applied = apply::apply_all(s, c, ctx, enclosing, args.timeout).await;
         if let Err(f) = applied {
-            end(s, &ctx, own, false, &format!("applying the changes: {f}")).await;
+            end(s, ctx, own, &format!("applying the changes: {f}")).await;
             return Err(anyhow::Error::new(f).context(format!(
                 "the program exited 0 but its file changes could not be applied; {xid} aborted"
             )));
@@ -238,11 +283,9 @@ async fn run_in(
     }
     match own {
         Own::Top => {
-            let r = s
-                .tx(ctx.tid.node, TxRequest::Commit(ctx.tid))
+            s.tx(ctx.tid.node, TxRequest::Commit(ctx.tid))
                 .await
                 .map_err(|f| anyhow::Error::new(f).context(format!("{xid} did not commit")))?;
-            let _ = r;
         }
         Own::Sub => {
             s.tx(ctx.tid.node, TxRequest::SubEnd(xid.clone(), true))
@@ -257,7 +300,7 @@ async fn run_in(
 
 /// Aborts the run's (sub-)transaction, best effort (an abort that cannot
 /// reach the coordinator still happens at the deadline).
-async fn end(s: &Session, ctx: &TxContext, own: Own, _commit: bool, why: &str) {
+async fn end(s: &Session, ctx: &TxContext, own: Own, why: &str) {
     let r = match own {
         Own::Top => {
             s.tx(ctx.tid.node, TxRequest::Abort(ctx.tid, why.to_string()))
