@@ -1,0 +1,446 @@
+//! A volume embedded in one node: isolation, commit, abort, degree
+//! semantics, conflicts, path escapes, restarts.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use weft::Node;
+use weft_fs::{FileKind, Fs, FsConfig, FsError, ReadMode, VolumeLimits, VolumeRef};
+
+struct Setup {
+    node: Node,
+    fs: Fs,
+    vol: VolumeRef,
+    _data: tempfile::TempDir,
+    dir: tempfile::TempDir,
+}
+
+async fn setup_with(
+    limits: VolumeLimits,
+    data: Option<tempfile::TempDir>,
+    dir: Option<tempfile::TempDir>,
+) -> Setup {
+    let data = data.unwrap_or_else(|| tempfile::tempdir().unwrap());
+    let dir = dir.unwrap_or_else(|| tempfile::tempdir().unwrap());
+    let fs = Fs::new(
+        FsConfig {
+            limits,
+            ..FsConfig::default()
+        }
+        .volume("v", dir.path()),
+    )
+    .unwrap();
+    let node = Node::builder(1)
+        .data_dir(data.path())
+        .plugin(Arc::new(fs.clone()))
+        .start()
+        .await
+        .unwrap();
+    let vol = fs.local("v").unwrap();
+    Setup {
+        node,
+        fs,
+        vol,
+        _data: data,
+        dir,
+    }
+}
+
+async fn setup() -> Setup {
+    setup_with(VolumeLimits::default(), None, None).await
+}
+
+fn read(dir: &Path, p: &str) -> Option<String> {
+    std::fs::read_to_string(dir.join(p)).ok()
+}
+
+/// Nothing but the reserved area's empty stage directory remains.
+fn no_staging_left(dir: &Path) {
+    let left: Vec<_> = std::fs::read_dir(dir.join(".weft-fs/stage"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "staging left behind: {left:?}");
+}
+
+#[tokio::test]
+async fn changes_are_private_until_commit_then_all_visible() {
+    let s = setup().await;
+    std::fs::write(s.dir.path().join("old"), "committed").unwrap();
+    std::fs::write(s.dir.path().join("gone"), "x").unwrap();
+    let tx = s.node.begin();
+    let c = tx.context().clone();
+    s.vol.mkdir(&c, "d").await.unwrap();
+    s.vol.create(&c, "d/a", true).await.unwrap();
+    s.vol
+        .write(&c, "d/a", 0, Bytes::from_static(b"hello"))
+        .await
+        .unwrap();
+    s.vol
+        .write(&c, "old", 0, Bytes::from_static(b"COMM"))
+        .await
+        .unwrap();
+    s.vol.rename(&c, "gone", "d/moved").await.unwrap();
+    // The transaction sees its changes; the disk does not have them.
+    assert_eq!(
+        &s.vol
+            .read(&c, "d/a", 0, 100, ReadMode::Degree2)
+            .await
+            .unwrap()[..],
+        b"hello"
+    );
+    assert_eq!(
+        &s.vol
+            .read(&c, "old", 0, 100, ReadMode::Degree2)
+            .await
+            .unwrap()[..],
+        b"COMMitted"
+    );
+    assert!(s
+        .vol
+        .stat(&c, "gone", ReadMode::Degree2)
+        .await
+        .unwrap()
+        .is_none());
+    let names: Vec<String> = s
+        .vol
+        .list(&c, "d")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, ["a", "moved"]);
+    assert!(!s.dir.path().join("d").exists());
+    assert_eq!(read(s.dir.path(), "old").unwrap(), "committed");
+    // Another transaction sees the committed state (list takes no lock).
+    let other = s.node.begin();
+    let root: Vec<String> = s
+        .vol
+        .list(other.context(), "")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(root, ["gone", "old"]);
+    other.abort("done").await.unwrap();
+    tx.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    assert_eq!(read(s.dir.path(), "d/a").unwrap(), "hello");
+    assert_eq!(read(s.dir.path(), "old").unwrap(), "COMMitted");
+    assert_eq!(read(s.dir.path(), "d/moved").unwrap(), "x");
+    assert!(!s.dir.path().join("gone").exists());
+    no_staging_left(s.dir.path());
+}
+
+/// Phase two runs in the background after commit returns: wait for it.
+async fn wait_applied(fs: &Fs) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while fs.volumes().any(|v| v.stats().prepared > 0) {
+        assert!(std::time::Instant::now() < deadline, "commit never applied");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn abort_leaves_no_trace() {
+    let s = setup().await;
+    std::fs::write(s.dir.path().join("f"), "keep").unwrap();
+    std::fs::create_dir(s.dir.path().join("sub")).unwrap();
+    let tx = s.node.begin();
+    let c = tx.context().clone();
+    s.vol.create(&c, "new", false).await.unwrap();
+    s.vol
+        .write(&c, "f", 2, Bytes::from_static(b"XXXXXX"))
+        .await
+        .unwrap();
+    s.vol.rmdir(&c, "sub").await.unwrap();
+    s.vol.rename(&c, "f", "g").await.unwrap();
+    tx.abort("test").await.unwrap();
+    wait_applied(&s.fs).await;
+    assert_eq!(read(s.dir.path(), "f").unwrap(), "keep");
+    assert!(s.dir.path().join("sub").is_dir());
+    assert!(!s.dir.path().join("new").exists());
+    assert!(!s.dir.path().join("g").exists());
+    no_staging_left(s.dir.path());
+}
+
+#[tokio::test]
+async fn degree_two_read_locks_end_with_the_read_write_locks_with_the_transaction() {
+    let s = setup_with(
+        VolumeLimits {
+            lock_wait: Duration::ZERO,
+            ..VolumeLimits::default()
+        },
+        None,
+        None,
+    )
+    .await;
+    std::fs::write(s.dir.path().join("f"), "v1").unwrap();
+    let t1 = s.node.begin();
+    let t2 = s.node.begin();
+    // Degree 2: t1's read lock is gone after the read, so t2 may write.
+    s.vol
+        .read(t1.context(), "f", 0, 10, ReadMode::Degree2)
+        .await
+        .unwrap();
+    s.vol
+        .write(t2.context(), "f", 0, Bytes::from_static(b"v2"))
+        .await
+        .unwrap();
+    // t2's write lock is held to its end: t1 cannot read with a lock
+    // (QuickSilver's immediate error with a zero bound)...
+    let e = s
+        .vol
+        .read(t1.context(), "f", 0, 10, ReadMode::Degree2)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::LockConflict(_)), "{e}");
+    // ...but can read the committed state without one.
+    let r = s
+        .vol
+        .read(t1.context(), "f", 0, 10, ReadMode::NoLock)
+        .await
+        .unwrap();
+    assert_eq!(&r[..], b"v1");
+    t2.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    // Degree 3: the read lock is held to the end.
+    s.vol
+        .read(t1.context(), "f", 0, 10, ReadMode::Degree3)
+        .await
+        .unwrap();
+    let t3 = s.node.begin();
+    let e = s
+        .vol
+        .write(t3.context(), "f", 0, Bytes::from_static(b"v3"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::LockConflict(_)), "{e}");
+    // An open handle holds its read lock until closed.
+    let t4 = s.node.begin();
+    s.vol.open_file(t4.context(), "f").await.unwrap();
+    t1.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    let e = s
+        .vol
+        .write(t3.context(), "f", 0, Bytes::from_static(b"v3"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::LockConflict(_)), "{e}");
+    s.vol.close_file(t4.context(), "f").await.unwrap();
+    s.vol
+        .write(t3.context(), "f", 0, Bytes::from_static(b"v3"))
+        .await
+        .unwrap();
+    t3.commit().await.unwrap();
+    t4.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    assert_eq!(read(s.dir.path(), "f").unwrap(), "v3");
+}
+
+#[tokio::test]
+async fn degree_one_directories_list_without_locks_entry_writes_conflict() {
+    let s = setup_with(
+        VolumeLimits {
+            lock_wait: Duration::ZERO,
+            ..VolumeLimits::default()
+        },
+        None,
+        None,
+    )
+    .await;
+    std::fs::create_dir(s.dir.path().join("d")).unwrap();
+    let t1 = s.node.begin();
+    let t2 = s.node.begin();
+    s.vol.create(t1.context(), "d/x", true).await.unwrap();
+    // Listing takes no lock and does not see t1's uncommitted entry.
+    assert!(s.vol.list(t2.context(), "d").await.unwrap().is_empty());
+    // Another entry of the same directory: no conflict.
+    s.vol.create(t2.context(), "d/y", true).await.unwrap();
+    // The same entry: conflict.
+    let e = s.vol.create(t2.context(), "d/x", true).await.unwrap_err();
+    assert!(matches!(e, FsError::LockConflict(_)), "{e}");
+    // Removing the directory conflicts with entries being written in it.
+    let t3 = s.node.begin();
+    let e = s.vol.rmdir(t3.context(), "d").await.unwrap_err();
+    assert!(matches!(e, FsError::LockConflict(_)), "{e}");
+    t1.commit().await.unwrap();
+    t2.commit().await.unwrap();
+    t3.abort("done").await.unwrap();
+    wait_applied(&s.fs).await;
+    let t4 = s.node.begin();
+    let names: Vec<String> = s
+        .vol
+        .list(t4.context(), "d")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, ["x", "y"]);
+    t4.commit().await.unwrap();
+}
+
+#[tokio::test]
+async fn conflicting_writers_wait_within_the_bound_then_one_commits() {
+    let s = setup_with(
+        VolumeLimits {
+            lock_wait: Duration::from_secs(30),
+            ..VolumeLimits::default()
+        },
+        None,
+        None,
+    )
+    .await;
+    std::fs::write(s.dir.path().join("f"), "0").unwrap();
+    let t1 = s.node.begin();
+    s.vol
+        .write(t1.context(), "f", 0, Bytes::from_static(b"1"))
+        .await
+        .unwrap();
+    let t2 = s.node.begin();
+    let vol = s.vol.clone();
+    let c2 = t2.context().clone();
+    let waiter =
+        tokio::spawn(async move { vol.write(&c2, "f", 0, Bytes::from_static(b"2")).await });
+    tokio::task::yield_now().await;
+    assert!(!waiter.is_finished());
+    t1.commit().await.unwrap();
+    waiter.await.unwrap().unwrap();
+    // t2 sees t1's committed write under its lock, then overwrites it.
+    assert_eq!(
+        &s.vol
+            .read(t2.context(), "f", 0, 1, ReadMode::Degree2)
+            .await
+            .unwrap()[..],
+        b"2"
+    );
+    t2.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    assert_eq!(read(s.dir.path(), "f").unwrap(), "2");
+}
+
+#[tokio::test]
+async fn path_escapes_are_refused() {
+    let s = setup().await;
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("secret"), "s").unwrap();
+    std::os::unix::fs::symlink(outside.path(), s.dir.path().join("out")).unwrap();
+    std::fs::create_dir(s.dir.path().join("in")).unwrap();
+    std::os::unix::fs::symlink(s.dir.path().join("in"), s.dir.path().join("alias")).unwrap();
+    let tx = s.node.begin();
+    let c = tx.context().clone();
+    for bad in ["../x", "/etc/passwd", "a/../../x", ".weft-fs/stage/x"] {
+        let e = s.vol.create(&c, bad, false).await.unwrap_err();
+        assert!(matches!(e, FsError::Escape(_)), "{bad}: {e}");
+        let e = s
+            .vol
+            .read(&c, bad, 0, 1, ReadMode::Degree2)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, FsError::Escape(_)), "{bad}: {e}");
+    }
+    let e = s
+        .vol
+        .read(&c, "out/secret", 0, 10, ReadMode::Degree2)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::Escape(_)), "{e}");
+    let e = s.vol.create(&c, "out/new", false).await.unwrap_err();
+    assert!(matches!(e, FsError::Escape(_)), "{e}");
+    let e = s.vol.create(&c, "alias/new", false).await.unwrap_err();
+    assert!(matches!(e, FsError::Unsupported(_)), "{e}");
+    // A final symbolic link is never followed.
+    let e = s
+        .vol
+        .read(&c, "out", 0, 10, ReadMode::Degree2)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::Unsupported(_)), "{e}");
+    assert_eq!(e.status(), weft::Status::BadRequest);
+    tx.commit().await.unwrap();
+    assert!(!outside.path().join("new").exists());
+}
+
+#[tokio::test]
+async fn no_space_at_prepare_votes_no_and_changes_nothing() {
+    let s = setup_with(
+        VolumeLimits {
+            reserve_bytes: u64::MAX / 2,
+            ..VolumeLimits::default()
+        },
+        None,
+        None,
+    )
+    .await;
+    let tx = s.node.begin();
+    s.vol.create(tx.context(), "f", true).await.unwrap();
+    let e = tx.commit().await.unwrap_err();
+    assert_eq!(e.status, weft::Status::Aborted, "{e}");
+    assert!(e.detail.contains("no space"), "{e}");
+    wait_applied(&s.fs).await;
+    assert!(!s.dir.path().join("f").exists());
+    no_staging_left(s.dir.path());
+}
+
+#[tokio::test]
+async fn truncate_and_range_writes_compose() {
+    let s = setup().await;
+    std::fs::write(s.dir.path().join("f"), "0123456789").unwrap();
+    let tx = s.node.begin();
+    let c = tx.context().clone();
+    s.vol
+        .write(&c, "f", 8, Bytes::from_static(b"AB"))
+        .await
+        .unwrap();
+    s.vol.truncate(&c, "f", 4).await.unwrap();
+    s.vol
+        .write(&c, "f", 6, Bytes::from_static(b"Z"))
+        .await
+        .unwrap();
+    let want = b"0123\0\0Z";
+    assert_eq!(
+        &s.vol
+            .read(&c, "f", 0, 100, ReadMode::Degree2)
+            .await
+            .unwrap()[..],
+        want
+    );
+    let m = s
+        .vol
+        .stat(&c, "f", ReadMode::Degree2)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((m.kind, m.len, m.changed), (FileKind::File, 7, true));
+    tx.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    assert_eq!(std::fs::read(s.dir.path().join("f")).unwrap(), want);
+}
+
+#[tokio::test]
+async fn a_committed_transaction_survives_a_restart_and_orphans_are_cleaned() {
+    let s = setup().await;
+    let tx = s.node.begin();
+    s.vol.create(tx.context(), "a", true).await.unwrap();
+    tx.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    // A live transaction with staged data when the node dies.
+    let live = s.node.begin();
+    s.vol.create(live.context(), "b", true).await.unwrap();
+    s.vol
+        .write(live.context(), "b", 0, Bytes::from_static(b"zz"))
+        .await
+        .unwrap();
+    s.node.crash();
+    std::mem::forget(live);
+    let Setup { _data, dir, .. } = s;
+    let s = setup_with(VolumeLimits::default(), Some(_data), Some(dir)).await;
+    assert!(s.dir.path().join("a").exists());
+    assert!(!s.dir.path().join("b").exists());
+    no_staging_left(s.dir.path());
+}
