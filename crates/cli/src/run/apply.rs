@@ -26,7 +26,8 @@ impl From<CaptureError> for Failure {
     }
 }
 
-/// Applies every captured directory's changes.
+/// Applies every captured directory's changes. Returns, for each volume
+/// changed, one path the transaction changed (see `volume::settle`).
 ///
 /// Fails with the first failure: BadRequest for something a volume cannot
 /// hold, LockConflict when another transaction holds or changed a file the
@@ -37,8 +38,9 @@ pub async fn apply_all(
     ctx: &TxContext,
     enclosing: &[PathBuf],
     _timeout: Duration,
-) -> Result<(), Failure> {
+) -> Result<Vec<(super::volume::Place, String)>, Failure> {
     let all = capture.changes()?;
+    let mut touched = Vec::new();
     for (d, changes) in capture.dirs.iter().zip(all) {
         if enclosing.iter().any(|e| d.dir.starts_with(e)) {
             plain(&d.dir, &changes).map_err(|e| {
@@ -48,10 +50,11 @@ pub async fn apply_all(
                 )
             })?;
         } else {
-            super::volume::apply(s, ctx, &d.dir, &changes, capture.started()).await?;
+            touched
+                .extend(super::volume::apply(s, ctx, &d.dir, &changes, capture.started()).await?);
         }
     }
-    Ok(())
+    Ok(touched)
 }
 
 /// Applies `changes` into `dir` with plain file operations.

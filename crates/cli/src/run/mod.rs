@@ -84,6 +84,8 @@ pub struct Session {
     node_addr: String,
     secret: String,
     embedded: Option<Node>,
+    /// The embedded node's file store.
+    fs: Option<weft_fs::Fs>,
 }
 
 impl Session {
@@ -132,8 +134,10 @@ async fn run_inner(args: RunArgs) -> anyhow::Result<i32> {
     let capture = if args.fs.is_empty() {
         None
     } else {
+        let first = std::fs::canonicalize(&args.fs[0])
+            .with_context(|| format!("--fs {}", args.fs[0].display()))?;
         Some(Capture::prepare(
-            &capture::scratch_root(&args.fs[0]),
+            &capture::scratch_root(&volume::volume_root(&first)),
             &args.fs,
         )?)
     };
@@ -272,13 +276,16 @@ async fn finish(
         eprintln!("weft run: the program {what}; {xid} aborted, nothing it changed was kept");
         return Ok(code);
     }
+    let mut touched = Vec::new();
     if let Some(c) = capture {
-        let applied = apply::apply_all(s, c, ctx, enclosing, args.timeout).await;
-        if let Err(f) = applied {
-            end(s, ctx, own, &format!("applying the changes: {f}")).await;
-            return Err(anyhow::Error::new(f).context(format!(
-                "the program exited 0 but its file changes could not be applied; {xid} aborted"
-            )));
+        match apply::apply_all(s, c, ctx, enclosing, args.timeout).await {
+            Ok(t) => touched = t,
+            Err(f) => {
+                end(s, ctx, own, &format!("applying the changes: {f}")).await;
+                return Err(anyhow::Error::new(f).context(format!(
+                    "the program exited 0 but its file changes could not be applied; {xid} aborted"
+                )));
+            }
         }
     }
     match own {
@@ -286,6 +293,14 @@ async fn finish(
             s.tx(ctx.tid.node, TxRequest::Commit(ctx.tid))
                 .await
                 .map_err(|f| anyhow::Error::new(f).context(format!("{xid} did not commit")))?;
+            // Committed: the program's caller may look at the files next.
+            volume::settle(s, &touched, args.timeout)
+                .await
+                .map_err(|f| {
+                    anyhow::Error::new(f).context(format!(
+                        "{xid} committed, but its files did not show in time"
+                    ))
+                })?;
         }
         Own::Sub => {
             s.tx(ctx.tid.node, TxRequest::SubEnd(xid.clone(), true))
@@ -405,6 +420,7 @@ async fn connect(args: &RunArgs) -> anyhow::Result<Session> {
             node_addr: addr.clone(),
             secret: args.secret.clone(),
             embedded: None,
+            fs: None,
         });
     }
     if args.tx.is_some() {
@@ -421,9 +437,9 @@ async fn connect(args: &RunArgs) -> anyhow::Result<Session> {
         ));
     };
     let first = std::fs::canonicalize(first).with_context(|| first.display().to_string())?;
-    let dir = capture::weft_dir(&first).join("node");
+    let dir = capture::weft_dir(&volume::volume_root(&first)).join("node");
     let secret = format!("{:032x}", rand::random::<u128>());
-    let node = start_embedded(&dir, &secret, &args.fs, args.wait).await?;
+    let (node, fs) = start_embedded(&dir, &secret, &args.fs, args.wait).await?;
     let node_addr = node
         .addr()
         .map(|a| a.to_string())
@@ -439,6 +455,7 @@ async fn connect(args: &RunArgs) -> anyhow::Result<Session> {
         node_addr,
         secret,
         embedded: Some(node),
+        fs: Some(fs),
     })
 }
 
@@ -451,20 +468,24 @@ async fn start_embedded(
     secret: &str,
     volumes: &[PathBuf],
     wait: Duration,
-) -> anyhow::Result<Node> {
+) -> anyhow::Result<(Node, weft_fs::Fs)> {
     std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
     let give_up = Instant::now() + wait;
     let mut pause = Duration::from_millis(5);
     loop {
+        // Opened after the node's lock is ours would be better; opening a
+        // volume only makes its reserved area and reads nothing of another
+        // run's transactions, so it is safe before.
+        let fs = volume::embedded_fs(volumes)?;
         let b = Node::builder(1)
             .listen(([127, 0, 0, 1], 0).into())
             .secret(secret.as_bytes())
             .data_dir(dir)
             .plugin(Arc::new(Kv::new(KvConfig::default())))
-            .plugin(Arc::new(lease::LeasePlugin::default()));
-        let b = volume::with_volumes(b, volumes)?;
+            .plugin(Arc::new(lease::LeasePlugin::default()))
+            .plugin(Arc::new(fs.clone()));
         match b.start().await {
-            Ok(n) => return Ok(n),
+            Ok(n) => return Ok((n, fs)),
             Err(NodeError::Log(weft_log::LogError::Locked { .. })) if Instant::now() < give_up => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_millis(200));
