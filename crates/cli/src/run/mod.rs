@@ -92,6 +92,16 @@ impl Session {
     async fn close(self) {
         self.client.close().await;
         if let Some(n) = self.embedded {
+            // Truncate a long log so the next run recovers little (a
+            // checkpoint costs forces: only when it pays).
+            if log_bytes(&n.data_dir().join("log")) > CHECKPOINT_ABOVE {
+                let c = n.clone();
+                match tokio::task::spawn_blocking(move || c.checkpoint()).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(f)) => tracing::warn!("checkpoint of the embedded node: {f}"),
+                    Err(e) => tracing::warn!("checkpoint of the embedded node: {e}"),
+                }
+            }
             n.shutdown().await;
         }
     }
@@ -107,6 +117,22 @@ impl Session {
     async fn tx(&self, node: weft_wire::NodeId, req: TxRequest) -> Result<TxReply, Failure> {
         self.client.call(&self.tx_addr(node), req, None).await
     }
+}
+
+/// Log size beyond which a run checkpoints its embedded node at the end.
+const CHECKPOINT_ABOVE: u64 = 8 << 20;
+
+/// Bytes in the segment files of the log directory `dir`.
+fn log_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|r| {
+            r.flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "wlog"))
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 /// How the run's transaction ends.
@@ -483,7 +509,13 @@ async fn start_embedded(
             .data_dir(dir)
             .plugin(Arc::new(Kv::new(KvConfig::default())))
             .plugin(Arc::new(lease::LeasePlugin::default()))
-            .plugin(Arc::new(fs.clone()));
+            .plugin(Arc::new(fs.clone()))
+            // A log that grows as written: recovery at the next run reads
+            // what was written, not a preallocated 64 MiB segment.
+            .log_config(|c| weft::LogConfig {
+                preallocate: false,
+                ..c
+            });
         match b.start().await {
             Ok(n) => return Ok((n, fs)),
             Err(NodeError::Log(weft_log::LogError::Locked { .. })) if Instant::now() < give_up => {
