@@ -307,3 +307,77 @@ fn what_a_volume_cannot_hold_fails_the_run_cleanly() {
     assert!(err.contains("symbolic link"), "{err}");
     assert_eq!(tree(&v), before);
 }
+
+#[test]
+fn a_weft_run_killed_at_each_commit_point_is_recovered_by_the_next_run() {
+    if !can_mount("a_weft_run_killed_at_each_commit_point") {
+        return;
+    }
+    use std::io::{BufRead, BufReader};
+    // (point, whether the transaction's changes survive): the embedded node
+    // is the only node, so its commit points are the coordinator's two.
+    for (point, survives) in [
+        ("coordinator-before-commit-force", false),
+        ("coordinator-after-commit-force", true),
+    ] {
+        let t = tempfile::tempdir().unwrap();
+        let v = volume(t.path());
+        let before = tree(&v);
+        let vs = v.display().to_string();
+        let mut run = wcmd(
+            &[
+                "run",
+                "--crash-at",
+                point,
+                "--fs",
+                &vs,
+                "--",
+                "sh",
+                "-c",
+                &format!("{SCRIPT} 0"),
+            ],
+            &[],
+        )
+        .current_dir(&v)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        let stderr = run.stderr.take().unwrap();
+        let mut seen = String::new();
+        for line in BufReader::new(stderr).lines() {
+            let line = line.unwrap();
+            if line.starts_with("CRASHPOINT") {
+                seen = line;
+                break;
+            }
+        }
+        assert!(
+            !seen.is_empty(),
+            "{point}: weft run never reached its crash point"
+        );
+        run.kill().unwrap();
+        run.wait().unwrap();
+        // Whatever the crash left, the next run on the volume recovers it.
+        let (code, _, err) = wrun_in(&v, &["run", "--fs", &vs, "--", "true"], &[]);
+        assert_eq!(code, 0, "{point}: {err}");
+        let after = tree(&v);
+        if survives {
+            assert!(
+                after.get("b") == Some(&Some("x\n".to_string()))
+                    && !after.contains_key("c")
+                    && after.get("keep/k") == Some(&Some("y\n".to_string())),
+                "{point}: the committed run must be all there: {after:?}"
+            );
+        } else {
+            assert_eq!(
+                after, before,
+                "{point}: the undecided run must leave no trace"
+            );
+        }
+        let stage = v.join(".weft-fs/stage");
+        let left = std::fs::read_dir(&stage).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(left, 0, "{point}: staging left behind");
+        let scratch = t.path().join(".vol.weft/run");
+        assert_eq!(std::fs::read_dir(&scratch).unwrap().count(), 0, "{point}");
+    }
+}

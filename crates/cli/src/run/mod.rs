@@ -72,6 +72,11 @@ pub struct RunArgs {
     /// `weft run` on the same volume holds it.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub wait: Duration,
+    /// Test hook (embedded node only): stop the transaction at this
+    /// commit-protocol point and print `CRASHPOINT <point> <tid>` on stderr
+    /// (a test then kills `weft run`).
+    #[arg(long, hide = true)]
+    pub crash_at: Option<weft_tx::CrashPoint>,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, required = true, num_args = 1..)]
     pub cmd: Vec<OsString>,
@@ -252,7 +257,9 @@ async fn run_in(
             return Err(e);
         }
     };
+    let t = Instant::now();
     let status = spawn_and_wait(args, s, capture, &ctx, &notify).await;
+    tracing::info!(ms = t.elapsed().as_millis() as u64, "the program ended");
     // The process ended: tell its one-phase participants, whatever happens
     // to its default transaction (at the same time as that ends).
     let ended = async {
@@ -303,6 +310,7 @@ async fn finish(
         return Ok(code);
     }
     let mut touched = Vec::new();
+    let t = Instant::now();
     if let Some(c) = capture {
         match apply::apply_all(s, c, ctx, enclosing, args.timeout).await {
             Ok(t) => touched = t,
@@ -314,11 +322,15 @@ async fn finish(
             }
         }
     }
+    tracing::info!(ms = t.elapsed().as_millis() as u64, "changes applied");
+    let t = Instant::now();
     match own {
         Own::Top => {
             s.tx(ctx.tid.node, TxRequest::Commit(ctx.tid))
                 .await
                 .map_err(|f| anyhow::Error::new(f).context(format!("{xid} did not commit")))?;
+            tracing::info!(ms = t.elapsed().as_millis() as u64, "committed");
+            let t = Instant::now();
             // Committed: the program's caller may look at the files next.
             volume::settle(s, &touched, args.timeout)
                 .await
@@ -327,6 +339,7 @@ async fn finish(
                         "{xid} committed, but its files did not show in time"
                     ))
                 })?;
+            tracing::info!(ms = t.elapsed().as_millis() as u64, "settled");
         }
         Own::Sub => {
             s.tx(ctx.tid.node, TxRequest::SubEnd(xid.clone(), true))
@@ -465,7 +478,7 @@ async fn connect(args: &RunArgs) -> anyhow::Result<Session> {
     let first = std::fs::canonicalize(first).with_context(|| first.display().to_string())?;
     let dir = capture::weft_dir(&volume::volume_root(&first)).join("node");
     let secret = format!("{:032x}", rand::random::<u128>());
-    let (node, fs) = start_embedded(&dir, &secret, &args.fs, args.wait).await?;
+    let (node, fs) = start_embedded(&dir, &secret, &args.fs, args.wait, args.crash_at).await?;
     let node_addr = node
         .addr()
         .map(|a| a.to_string())
@@ -494,6 +507,7 @@ async fn start_embedded(
     secret: &str,
     volumes: &[PathBuf],
     wait: Duration,
+    crash_at: Option<weft_tx::CrashPoint>,
 ) -> anyhow::Result<(Node, weft_fs::Fs)> {
     std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
     let give_up = Instant::now() + wait;
@@ -503,7 +517,17 @@ async fn start_embedded(
         // volume only makes its reserved area and reads nothing of another
         // run's transactions, so it is safe before.
         let fs = volume::embedded_fs(volumes)?;
-        let b = Node::builder(1)
+        let mut b = Node::builder(1);
+        if let Some(point) = crash_at {
+            let hook: weft_tx::CrashHook = Arc::new(|point, tid| {
+                eprintln!("CRASHPOINT {point:?} {tid}");
+            });
+            b = b.tm_config(weft::TmConfig {
+                crash_at: Some((point, hook)),
+                ..weft::TmConfig::default()
+            });
+        }
+        let b = b
             .listen(([127, 0, 0, 1], 0).into())
             .secret(secret.as_bytes())
             .data_dir(dir)
