@@ -6,6 +6,7 @@ mod call_cmd;
 mod child;
 mod client;
 mod demo;
+mod fs_cmd;
 mod group_cmd;
 mod kv_cmd;
 mod net_cmd;
@@ -46,6 +47,9 @@ enum Cmd {
     /// Read and write a node's key-value store.
     #[command(subcommand)]
     Kv(kv_cmd::KvCmd),
+    /// Read and change a node's transactional file volumes.
+    #[command(subcommand)]
+    Fs(fs_cmd::FsCmd),
     /// Run Raid sites and drive DebitCredit against them.
     #[command(subcommand)]
     Raid(raid_cmd::RaidCmd),
@@ -101,6 +105,7 @@ fn main() {
             Cmd::Call(a) => call_cmd::run(a).await,
             Cmd::Tx(c) => tx_cmd::run(c).await,
             Cmd::Kv(c) => kv_cmd::run(c).await,
+            Cmd::Fs(c) => fs_cmd::run(c).await,
             Cmd::Group(a) => group_cmd::run(a).await,
             Cmd::Bench(c) => bench::run(c).await,
             Cmd::Net(c) => net_cmd::run(c).await,

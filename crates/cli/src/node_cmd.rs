@@ -80,6 +80,18 @@ pub struct NodeArgs {
     /// `CRASHPOINT <point> <tid>` (a test then kills the node).
     #[arg(long, hide = true)]
     pub crash_at: Option<CrashPoint>,
+    /// A directory this node serves as a transactional file volume
+    /// (`DIR`, named after its last component, or `NAME=DIR`); repeatable.
+    #[arg(long = "volume")]
+    pub volumes: Vec<String>,
+    /// Longest wait for a file lock before LockConflict (0: at once).
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub fs_lock_wait: Duration,
+    /// Test hook: stop applying a file commit at this step
+    /// (`after-phase-a`, `mid-phase-b`, `applied`) and print
+    /// `FSCRASH <step>` (a test then kills the node).
+    #[arg(long, hide = true)]
+    pub fs_crash_at: Option<String>,
 }
 
 /// First and longest wait between two rounds over the --join members.
@@ -188,6 +200,38 @@ impl NodeArgs {
     }
 }
 
+impl NodeArgs {
+    /// The file store serving the `--volume` directories (None without).
+    ///
+    /// Fails when a volume cannot be opened.
+    pub fn file_store(&self) -> anyhow::Result<Option<weft_fs::Fs>> {
+        if self.volumes.is_empty() {
+            return Ok(None);
+        }
+        let mut cfg = weft_fs::FsConfig::default();
+        cfg.limits.lock_wait = self.fs_lock_wait;
+        for v in &self.volumes {
+            cfg = cfg.volume_spec(v)?;
+        }
+        if let Some(step) = self.fs_crash_at.clone() {
+            let hook: weft_fs::CommitHook = Arc::new(move |at: &str| {
+                if at == step {
+                    let mut out = std::io::stdout().lock();
+                    let _ = writeln!(out, "FSCRASH {at}");
+                    let _ = out.flush();
+                    drop(out);
+                    // Stay at this step until the test kills the process.
+                    loop {
+                        std::thread::park();
+                    }
+                }
+            });
+            cfg.commit_hook = Some(hook);
+        }
+        Ok(Some(weft_fs::Fs::new(cfg)?))
+    }
+}
+
 /// Checks a `--kv-engine` name.
 fn parse_kv_engine(s: &str) -> Result<String, String> {
     KvEngine::parse(s).map(|e| e.name().to_string())
@@ -228,11 +272,14 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
         engine: args.kv_engine(),
         ..KvConfig::default()
     });
-    let b = args
+    let mut b = args
         .builder()?
         .plugin(Arc::new(kv))
         .plugin(weft_group::GroupPlugin::new(Default::default()))
         .plugin(Arc::new(crate::run::lease::LeasePlugin::default()));
+    if let Some(fs) = args.file_store()? {
+        b = b.plugin(Arc::new(fs));
+    }
     let node = args.start(b).await?;
     announce(&node);
     wait_for_signal().await;
