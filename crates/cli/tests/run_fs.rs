@@ -381,3 +381,50 @@ fn a_weft_run_killed_at_each_commit_point_is_recovered_by_the_next_run() {
         assert_eq!(std::fs::read_dir(&scratch).unwrap().count(), 0, "{point}");
     }
 }
+
+#[test]
+fn the_programs_files_and_its_weft_commands_commit_or_abort_together() {
+    if !can_mount("the_programs_files_and_its_weft_commands") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let v = volume(t.path());
+    let vs = v.display().to_string();
+    // The program's `weft kv` reaches the embedded node ($WEFT_NODE) and
+    // joins its default transaction ($WEFT_TX).
+    let script = "echo x > f && weft kv put k v && weft kv get k > got && exit";
+    let (code, _, err) = wrun_in(
+        &v,
+        &["run", "--fs", &vs, "--", "sh", "-c", &format!("{script} 1")],
+        &[],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(!v.join("f").exists() && !v.join("got").exists());
+    let (code, _, err) = wrun_in(
+        &v,
+        &[
+            "run",
+            "--fs",
+            &vs,
+            "--",
+            "sh",
+            "-c",
+            "weft kv get k; test $? -eq 1",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "the aborted run's key is gone: {err}");
+    let (code, _, err) = wrun_in(
+        &v,
+        &["run", "--fs", &vs, "--", "sh", "-c", &format!("{script} 0")],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(std::fs::read_to_string(v.join("got")).unwrap(), "v\n");
+    let (code, out, err) = wrun_in(
+        &v,
+        &["run", "--fs", &vs, "--", "weft", "kv", "get", "k"],
+        &[],
+    );
+    assert_eq!((code, out.as_str()), (0, "v\n"), "{err}");
+}
