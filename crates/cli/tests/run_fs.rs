@@ -428,3 +428,69 @@ fn the_programs_files_and_its_weft_commands_commit_or_abort_together() {
     );
     assert_eq!((code, out.as_str()), (0, "v\n"), "{err}");
 }
+
+#[test]
+fn without_root_weft_run_mounts_in_a_user_namespace_of_its_own() {
+    // Run as `nobody` (from root, with setpriv): the mount namespace must
+    // then come with a user namespace.
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false);
+    let nobody = ["--reuid=65534", "--regid=65534", "--clear-groups"];
+    let userns = Command::new("setpriv")
+        .args(nobody)
+        .args(["unshare", "-m", "-r", "true"])
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    let reachable = || {
+        Command::new("setpriv")
+            .args(nobody)
+            .arg(env!("CARGO_BIN_EXE_weft"))
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    if !root || !userns || !reachable() {
+        eprintln!(
+            "SKIPPED without_root_weft_run_mounts_in_a_user_namespace: needs root (to become \
+             nobody with setpriv), unprivileged user namespaces, and a weft binary nobody \
+             may run; root={root} userns={userns}"
+        );
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let base = t.path().join("base");
+    let v = volume(&base);
+    let chown = Command::new("chown")
+        .args(["-R", "65534:65534"])
+        .arg(&base)
+        .status()
+        .unwrap();
+    assert!(chown.success());
+    let mut perm = std::fs::metadata(t.path()).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(t.path(), perm).unwrap();
+    let vs = v.display().to_string();
+    let out = Command::new("setpriv")
+        .args(nobody)
+        .arg(env!("CARGO_BIN_EXE_weft"))
+        .args(["run", "--fs", &vs, "--", "sh", "-c", &format!("{SCRIPT} 0")])
+        .env_remove("WEFT_NODE")
+        .env_remove("WEFT_TX")
+        .env("HOME", t.path())
+        .current_dir(&v)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let after = tree(&v);
+    assert_eq!(after.get("b"), Some(&Some("x\n".to_string())), "{after:?}");
+    assert!(!after.contains_key("c"));
+}

@@ -251,12 +251,15 @@ impl Capture {
                 o.extend_from_slice(&escape(&d.upper));
                 o.extend_from_slice(b",workdir=");
                 o.extend_from_slice(&escape(&d.work));
-                // Renamed directories are copied (redirect_dir=off makes
-                // rename(2) answer EXDEV, and mv copies), so the upper
-                // directory holds plain files and whiteouts only.
-                o.extend_from_slice(b",redirect_dir=off,index=off,metacopy=off");
+                // Renamed directories are copied (no redirects: rename(2)
+                // of a lower directory answers EXDEV, and mv copies), so the
+                // upper directory holds plain files and whiteouts only. In a
+                // user namespace `off` may mean `follow`, which userxattr
+                // refuses; `nofollow` neither makes nor follows redirects.
                 if userxattr {
-                    o.extend_from_slice(b",userxattr");
+                    o.extend_from_slice(b",redirect_dir=nofollow,index=off,metacopy=off,userxattr");
+                } else {
+                    o.extend_from_slice(b",redirect_dir=off,index=off,metacopy=off");
                 }
                 o
             };
