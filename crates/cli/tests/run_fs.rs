@@ -494,3 +494,44 @@ fn without_root_weft_run_mounts_in_a_user_namespace_of_its_own() {
     assert_eq!(after.get("b"), Some(&Some("x\n".to_string())), "{after:?}");
     assert!(!after.contains_key("c"));
 }
+
+#[test]
+fn runs_under_a_shell_transaction_commit_with_it_at_a_node_serving_the_volume() {
+    if !can_mount("runs_under_a_shell_transaction") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let v = volume(t.path());
+    let vs = v.display().to_string();
+    let n = NodeProc::start(1, &["--volume", &vs, "--data-dir", &data_dir(t.path(), 1)]);
+    let (code, out, err) = wrun_in(&v, &["tx", "begin", "--node", &n.addr], &[]);
+    assert_eq!(code, 0, "{err}");
+    let tid = out.lines().next().unwrap().trim().to_string();
+    let env = [("WEFT_NODE", n.addr.as_str()), ("WEFT_TX", tid.as_str())];
+    let before = tree(&v);
+    let (code, _, err) = wrun_in(
+        &v,
+        &["run", "--fs", &vs, "--", "sh", "-c", "echo 1 > one; rm c"],
+        &env,
+    );
+    assert_eq!(code, 0, "{err}");
+    // A failed step: aborted alone.
+    let (code, _, err) = wrun_in(
+        &v,
+        &["run", "--fs", &vs, "--", "sh", "-c", "echo 2 > two; exit 1"],
+        &env,
+    );
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(tree(&v), before, "nothing shows before the shell commits");
+    let (code, _, err) = wrun_in(&v, &["tx", "commit"], &env);
+    assert_eq!(code, 0, "{err}");
+    let after = eventually("the commit applied", Duration::from_secs(10), || {
+        let t = tree(&v);
+        t.contains_key("one").then_some(t)
+    });
+    assert_eq!(after.get("one"), Some(&Some("1\n".to_string())));
+    assert!(
+        !after.contains_key("c") && !after.contains_key("two"),
+        "{after:?}"
+    );
+}
