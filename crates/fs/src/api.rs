@@ -340,4 +340,12 @@ pub enum FsRecord {
         /// What commit does.
         plan: Plan,
     },
+    /// A committed branch's plan is wholly applied and durable on the
+    /// volume: recovery need not apply it again.
+    Applied {
+        /// The transaction.
+        tid: Tid,
+        /// The volume's name.
+        volume: String,
+    },
 }

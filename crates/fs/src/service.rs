@@ -25,7 +25,7 @@ use crate::api::{
     DirEntry, FsError, FsOp, FsRecord, FsReply, FsRequest, FsResponse, Meta, ReadMode,
     FS_RECORD_TAG,
 };
-use crate::volume::{CommitHook, Volume, VolumeLimits};
+use crate::volume::{CommitHook, Prepared, Volume, VolumeLimits};
 
 /// The name the service registers under.
 pub const SERVICE: &str = "fs";
@@ -91,6 +91,7 @@ struct FsInner {
     volumes: BTreeMap<String, Volume>,
     hook: Option<CommitHook>,
     tm: OnceLock<TxManager>,
+    log: OnceLock<Log>,
 }
 
 /// A node's transactional file store. Cheap to clone; add it to a node as a
@@ -98,6 +99,9 @@ struct FsInner {
 #[derive(Clone)]
 pub struct Fs {
     inner: Arc<FsInner>,
+    /// The one participant object: the transaction manager enlists a
+    /// resource once per object, so every enlistment must reuse it.
+    participant: Arc<dyn Resource>,
 }
 
 /// The two-phase participant registered with the transaction manager.
@@ -116,12 +120,15 @@ impl Fs {
                 return Err(FsError::BadPath(format!("two volumes named {name:?}")));
             }
         }
+        let inner = Arc::new(FsInner {
+            volumes,
+            hook: cfg.commit_hook,
+            tm: OnceLock::new(),
+            log: OnceLock::new(),
+        });
         Ok(Fs {
-            inner: Arc::new(FsInner {
-                volumes,
-                hook: cfg.commit_hook,
-                tm: OnceLock::new(),
-            }),
+            participant: Arc::new(Participant(Arc::clone(&inner))),
+            inner,
         })
     }
 
@@ -160,7 +167,7 @@ impl Fs {
 
     /// The participant to enlist for local operations.
     pub fn resource(&self) -> Arc<dyn Resource> {
-        Arc::new(Participant(Arc::clone(&self.inner)))
+        Arc::clone(&self.participant)
     }
 
     /// A handle on the local volume `name` for transactions of this node.
@@ -264,8 +271,9 @@ impl Resource for Participant {
             let mut any = false;
             for v in self.0.volumes.values() {
                 match v.prepare(tid) {
-                    Ok(None) => {}
-                    Ok(Some(plan)) => {
+                    Ok(Prepared::ReadOnly) => {}
+                    Ok(Prepared::Already) => any = true,
+                    Ok(Prepared::Plan(plan)) => {
                         let rec = FsRecord::Prepared {
                             tid,
                             volume: v.name().to_string(),
@@ -276,8 +284,9 @@ impl Resource for Participant {
                             .and_then(|b| log.append(FS_RECORD_TAG, &b).map_err(|e| e.to_string()));
                         match appended {
                             Ok(lsn) => {
-                                let FsRecord::Prepared { plan, .. } = rec;
-                                v.prepared_at(tid, plan, lsn.get());
+                                if let FsRecord::Prepared { plan, .. } = rec {
+                                    v.prepared_at(tid, plan, lsn.get());
+                                }
                                 any = true;
                             }
                             Err(e) => {
@@ -312,13 +321,17 @@ impl Resource for Participant {
         Box::pin(async move {
             let run = move || {
                 for v in inner.volumes.values() {
-                    v.commit(tid, inner.hook.as_ref());
+                    v.commit(tid, inner.hook.as_ref(), inner.log.get());
                 }
             };
-            // Applying writes and forces files: off the runtime's threads.
+            // The commit record is durable: applying (writes, renames and
+            // forces of every file) runs in the background, off the
+            // runtime's threads, so the transaction manager goes on. The
+            // branch keeps its locks until it is applied, so the next
+            // transaction touching these files waits for it.
             match tokio::runtime::Handle::try_current() {
                 Ok(h) => {
-                    let _ = h.spawn_blocking(run).await;
+                    h.spawn_blocking(run);
                 }
                 Err(_) => run(),
             }
@@ -353,29 +366,44 @@ impl Plugin for Fs {
         SERVICE
     }
 
-    fn attach(&self, tm: &TxManager, _log: &Log) -> Result<(), Failure> {
+    fn attach(&self, tm: &TxManager, log: &Log) -> Result<(), Failure> {
         let _ = self.inner.tm.set(tm.clone());
+        let _ = self.inner.log.set(log.clone());
         tm.register_resource(self.resource());
         Ok(())
     }
 
     fn recover(&self, tm: &TxManager, records: &[LogRecord]) -> Result<(), Failure> {
         let (mut redone, mut dropped, mut in_doubt) = (0, 0, 0);
+        let mut decoded = Vec::new();
+        let mut applied = std::collections::HashSet::new();
         for r in records.iter().filter(|r| r.tag == FS_RECORD_TAG) {
             let rec: FsRecord = postcard::from_bytes(&r.payload)
                 .map_err(|e| failure(format!("undecodable record at {}: {e}", r.lsn)))?;
-            let FsRecord::Prepared { tid, volume, plan } = rec;
+            match rec {
+                FsRecord::Applied { tid, volume } => {
+                    applied.insert((tid, volume));
+                }
+                FsRecord::Prepared { tid, volume, plan } => {
+                    decoded.push((r.lsn, tid, volume, plan))
+                }
+            }
+        }
+        for (lsn, tid, volume, plan) in decoded {
+            if applied.contains(&(tid, volume.clone())) {
+                continue;
+            }
             let Some(v) = self.inner.volumes.get(&volume) else {
                 tracing::error!(%tid, volume, "fs: a prepared transaction names a volume this node no longer serves; its changes stay unapplied");
                 continue;
             };
             match tm.recovered(tid) {
                 Some(Recovered::Committed) => {
-                    v.redo(tid, &plan).map_err(failure)?;
+                    v.redo(tid, &plan, self.inner.log.get()).map_err(failure)?;
                     redone += 1;
                 }
                 Some(Recovered::InDoubt) => {
-                    v.keep_in_doubt(tid, plan, r.lsn.get()).map_err(failure)?;
+                    v.keep_in_doubt(tid, plan, lsn.get()).map_err(failure)?;
                     in_doubt += 1;
                 }
                 Some(Recovered::Aborted) | None => dropped += 1,

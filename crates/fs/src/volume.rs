@@ -22,7 +22,11 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use weft_wire::{SubPath, Tid, Xid};
 
-use crate::api::{DirEntry, FileKind, FsError, Meta, Patch, Place, Plan, ReadMode};
+use weft_log::Log;
+
+use crate::api::{
+    DirEntry, FileKind, FsError, FsRecord, Meta, Patch, Place, Plan, ReadMode, FS_RECORD_TAG,
+};
 use crate::lock::{Locks, Mode};
 use crate::path::{VPath, RESERVED};
 
@@ -122,6 +126,8 @@ struct Branch {
     state: BranchState,
     /// Set once prepared: the plan and its record's position.
     plan: Option<(Plan, u64)>,
+    /// Commit is applying the plan.
+    applying: bool,
 }
 
 /// What a name is in a view.
@@ -324,6 +330,7 @@ impl Volume {
                     doomed: None,
                     state: BranchState::Active,
                     plan: None,
+                    applying: false,
                 }))
             })
             .clone()
@@ -1034,17 +1041,21 @@ impl Volume {
     // ---- two-phase commit ----------------------------------------------
 
     /// Phase one: builds the branch's plan, makes its staged data durable
-    /// (or inline), checks space. Returns None when read-only (everything
-    /// released), the plan when ready (the caller logs it and reports the
+    /// (or inline), checks space. Returns ReadOnly (everything released),
+    /// or the plan when ready (the caller logs it and reports the
     /// record's position with [`Volume::prepared_at`]).
     ///
     /// Fails with the reason to vote No (the branch is then dropped).
-    pub(crate) fn prepare(&self, tid: Tid) -> Result<Option<Plan>, String> {
+    pub(crate) fn prepare(&self, tid: Tid) -> Result<Prepared, String> {
         let Some(b) = self.existing_branch(tid) else {
             self.inner.locks.release_all(tid);
-            return Ok(None);
+            return Ok(Prepared::ReadOnly);
         };
         let mut b = b.lock();
+        if b.state == BranchState::Prepared {
+            // Asked again (a repeated prepare): the plan is logged already.
+            return Ok(Prepared::Already);
+        }
         if let Some(why) = b.doomed.clone() {
             drop(b);
             self.drop_branch(tid);
@@ -1053,14 +1064,14 @@ impl Volume {
         if b.entries.is_empty() && b.removed.is_empty() {
             drop(b);
             self.drop_branch(tid);
-            return Ok(None);
+            return Ok(Prepared::ReadOnly);
         }
         b.state = BranchState::Prepared;
         match self.plan(&b) {
             Ok(plan) => {
                 self.inner.locks.release_shared(tid);
                 b.open.clear();
-                Ok(Some(plan))
+                Ok(Prepared::Plan(plan))
             }
             Err(e) => {
                 drop(b);
@@ -1174,30 +1185,37 @@ impl Volume {
                 self.inner.limits.reserve_bytes
             )));
         }
-        // The staging directory exists for every prepared branch: it is the
-        // mark that its commit is not wholly applied yet.
-        fs::create_dir_all(&b.stage).map_err(io_err(b.stage.display()))?;
-        for f in &to_sync {
-            File::open(f)
-                .and_then(|f| f.sync_all())
-                .map_err(io_err(f.display()))?;
+        // Data too large for the record is forced in the staging area, with
+        // the names that find it; inline data needs nothing on disk (the
+        // record, forced by the transaction manager, carries it).
+        if !to_sync.is_empty() {
+            for f in &to_sync {
+                File::open(f)
+                    .and_then(|f| f.sync_all())
+                    .map_err(io_err(f.display()))?;
+            }
+            sync_dir(&b.stage).map_err(io_err(b.stage.display()))?;
+            sync_dir(&self.inner.stage_root).map_err(io_err(self.inner.stage_root.display()))?;
         }
-        sync_dir(&b.stage).map_err(io_err(b.stage.display()))?;
-        sync_dir(&self.inner.stage_root).map_err(io_err(self.inner.stage_root.display()))?;
         Ok(plan)
     }
 
-    /// Phase two, commit: applies the prepared plan, makes it durable,
-    /// removes the staging area, releases the locks. Retries on I/O errors
+    /// Phase two, commit: applies the prepared plan and makes it durable,
+    /// releases the locks, then logs that it is applied and removes the
+    /// staging area once that record is durable. Retries on I/O errors
     /// (the outcome is final) a few times, then leaves the branch for
     /// recovery and logs the error.
-    pub(crate) fn commit(&self, tid: Tid, hook: Option<&CommitHook>) {
+    pub(crate) fn commit(&self, tid: Tid, hook: Option<&CommitHook>, log: Option<&Log>) {
         let Some(b) = self.existing_branch(tid) else {
             self.inner.locks.release_all(tid);
             return;
         };
         let (plan, stage) = {
-            let b = b.lock();
+            let mut b = b.lock();
+            if b.applying {
+                return; // a repeated commit: the first one applies
+            }
+            b.applying = true;
             match &b.plan {
                 Some((plan, _)) => (plan.clone(), b.stage.clone()),
                 None => {
@@ -1225,6 +1243,34 @@ impl Volume {
         }
         self.inner.branches.lock().remove(&tid);
         self.inner.locks.release_all(tid);
+        self.applied(tid, &stage, log);
+    }
+
+    /// Records that `tid`'s plan is wholly applied here and, once that is
+    /// durable, removes its staging area (until then recovery may need the
+    /// phase-A mark in it).
+    fn applied(&self, tid: Tid, stage: &Path, log: Option<&Log>) {
+        let Some(log) = log else {
+            return; // not attached: the next start cleans up
+        };
+        let rec = FsRecord::Applied {
+            tid,
+            volume: self.inner.name.clone(),
+        };
+        let logged = postcard::to_allocvec(&rec)
+            .map_err(|e| e.to_string())
+            .and_then(|b| log.append(FS_RECORD_TAG, &b).map_err(|e| e.to_string()))
+            .and_then(|lsn| log.force_blocking(lsn).map_err(|e| e.to_string()));
+        match logged {
+            Ok(()) => {
+                if let Err(e) = remove_stage(stage) {
+                    tracing::warn!(%tid, error = %e, "fs: cannot remove a staging area");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%tid, error = %e, "fs: cannot log that a commit is applied; the next start applies it again")
+            }
+        }
     }
 
     /// Abort: forgets the branch, removes its staging area, releases locks.
@@ -1299,17 +1345,15 @@ impl Volume {
 
     // ---- recovery ------------------------------------------------------
 
-    /// Recovery: a branch whose commit is recorded is applied again
-    /// (idempotent; skipped when its staging area is gone, i.e. it was
-    /// wholly applied).
+    /// Recovery: a branch whose commit is recorded and not recorded as
+    /// applied is applied again (idempotent), then recorded as applied.
     ///
     /// Fails with the I/O error that stops the node from starting.
-    pub(crate) fn redo(&self, tid: Tid, plan: &Plan) -> Result<(), FsError> {
+    pub(crate) fn redo(&self, tid: Tid, plan: &Plan, log: Option<&Log>) -> Result<(), FsError> {
         let stage = self.inner.stage_root.join(tid.to_string());
-        if !stage.exists() {
-            return Ok(());
-        }
-        apply(&self.inner.root, &stage, plan, true, None)
+        apply(&self.inner.root, &stage, plan, true, None)?;
+        self.applied(tid, &stage, log);
+        Ok(())
     }
 
     /// Recovery: a branch prepared and in doubt is kept, locked, until its
@@ -1359,6 +1403,16 @@ impl Volume {
     }
 }
 
+/// What [`Volume::prepare`] found.
+pub(crate) enum Prepared {
+    /// Nothing changed here: everything is released.
+    ReadOnly,
+    /// Ready: log this plan.
+    Plan(Plan),
+    /// Prepared before (a repeated request): its plan is logged.
+    Already,
+}
+
 /// A test hook called between commit's steps: `"after-phase-a"`,
 /// `"mid-phase-b"`, `"applied"`; a test kills the process there.
 pub type CommitHook = Arc<dyn Fn(&str) + Send + Sync>;
@@ -1394,6 +1448,9 @@ fn apply(
     let mut dirs: BTreeSet<PathBuf> = BTreeSet::new();
     let mark = stage.join("A");
     if !mark.exists() {
+        // No mark: phase B never began (the mark is durable before it
+        // does), so removing names again is safe.
+        fs::create_dir_all(stage).map_err(io_err(stage.display()))?;
         for (p, id) in &plan.moves {
             let m = stage.join(format!("m{id}"));
             if !m.exists() {
@@ -1426,6 +1483,9 @@ fn apply(
             .and_then(|f| f.sync_all())
             .map_err(io_err(mark.display()))?;
         sync_dir(stage).map_err(io_err(stage.display()))?;
+        if let Some(parent) = stage.parent() {
+            sync_dir(parent).map_err(io_err(parent.display()))?;
+        }
     }
     if let Some(h) = hook {
         h("after-phase-a");
@@ -1523,10 +1583,6 @@ fn apply(
     }
     if let Some(h) = hook {
         h("applied");
-    }
-    remove_stage(stage).map_err(io_err(stage.display()))?;
-    if let Some(parent) = stage.parent() {
-        sync_dir(parent).map_err(io_err(parent.display()))?;
     }
     Ok(())
 }

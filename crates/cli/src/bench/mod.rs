@@ -6,6 +6,7 @@
 
 pub mod commit;
 pub mod debitcredit;
+pub mod fs;
 pub mod fs_run;
 pub mod kvstore;
 pub mod log;
@@ -46,6 +47,9 @@ pub enum BenchCmd {
     /// The KV disk engine at a small and a large size: checkpoint, reopen,
     /// random reads.
     Kvstore(kvstore::KvStoreArgs),
+    /// Transactional files against plain files (QuickSilver's Table 2):
+    /// creating 100 small files, reading 256 KiB files.
+    Fs(fs::FsArgs),
     /// The `weft run` part of `weft bench fs`: the null program and an
     /// Andrew-like script under `weft run` against running them plainly.
     FsRun(fs_run::FsRunArgs),
@@ -62,6 +66,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Soak(a) => soak::run(a).await,
         BenchCmd::Net(a) => net::run(a).await,
         BenchCmd::Kvstore(a) => kvstore::run(a).await,
+        BenchCmd::Fs(a) => fs::run(a).await,
         BenchCmd::FsRun(a) => fs_run::run(a).await,
     }
 }
