@@ -98,8 +98,9 @@ impl Session {
         self.client.close().await;
         if let Some(n) = self.embedded {
             // Truncate a long log so the next run recovers little (a
-            // checkpoint costs forces: only when it pays).
-            if log_bytes(&n.data_dir().join("log")) > CHECKPOINT_ABOVE {
+            // checkpoint costs forces, and frees only whole segments: only
+            // when a segment is full).
+            if log_segments(&n.data_dir().join("log")) > 1 {
                 let c = n.clone();
                 match tokio::task::spawn_blocking(move || c.checkpoint()).await {
                     Ok(Ok(_)) => {}
@@ -124,18 +125,17 @@ impl Session {
     }
 }
 
-/// Log size beyond which a run checkpoints its embedded node at the end.
-const CHECKPOINT_ABOVE: u64 = 8 << 20;
+/// Segment size of the embedded node's log (its largest record, 16 MiB,
+/// must fit).
+const SEGMENT_BYTES: u64 = 32 << 20;
 
-/// Bytes in the segment files of the log directory `dir`.
-fn log_bytes(dir: &Path) -> u64 {
+/// Segment files in the log directory `dir`.
+fn log_segments(dir: &Path) -> usize {
     std::fs::read_dir(dir)
         .map(|r| {
             r.flatten()
                 .filter(|e| e.path().extension().is_some_and(|x| x == "wlog"))
-                .filter_map(|e| e.metadata().ok())
-                .map(|m| m.len())
-                .sum()
+                .count()
         })
         .unwrap_or(0)
 }
@@ -538,6 +538,7 @@ async fn start_embedded(
             // what was written, not a preallocated 64 MiB segment.
             .log_config(|c| weft::LogConfig {
                 preallocate: false,
+                segment_size: SEGMENT_BYTES,
                 ..c
             });
         match b.start().await {
