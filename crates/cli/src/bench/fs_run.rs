@@ -56,7 +56,8 @@ done
 
 /// Runs the `weft run` benchmarks and returns their JSON keys
 /// (`null_run_ms`, `null_run_fs_ms`, `null_plain_ms`, `andrew_run_s`,
-/// `andrew_plain_s`).
+/// `andrew_plain_s`, and where the null run's time goes: `weft_version_ms`,
+/// `weft_status_ms`).
 pub async fn measure(args: FsRunArgs) -> anyhow::Result<serde_json::Value> {
     tokio::task::spawn_blocking(move || measure_blocking(&args)).await?
 }
@@ -72,6 +73,11 @@ pub async fn run(args: FsRunArgs) -> anyhow::Result<()> {
         f("null_plain_ms"),
         f("null_run_ms"),
         f("null_run_fs_ms")
+    );
+    println!(
+        "  where the time goes: starting weft at all {:.2} ms, one call to a node (weft status) {:.2} ms",
+        f("weft_version_ms"),
+        f("weft_status_ms")
     );
     println!(
         "  Andrew-like script: plain {:.3} s, weft run {:.3} s",
@@ -182,8 +188,13 @@ fn measure_blocking(args: &FsRunArgs) -> anyhow::Result<serde_json::Value> {
     std::fs::create_dir_all(&empty)?;
     eprintln!("null program: {} runs of each kind", args.null_runs);
     let (mut plain, mut run, mut run_fs) = (Vec::new(), Vec::new(), Vec::new());
+    // Where the time goes: starting the weft binary at all, and one call
+    // to the node (connect, authenticate, ask).
+    let (mut exe, mut call) = (Vec::new(), Vec::new());
     for _ in 0..args.null_runs {
         plain.push(timed(&mut Command::new("true"))?);
+        exe.push(timed(weft_cmd()?.arg("--version"))?);
+        call.push(timed(weft_cmd()?.args(["status", "--node", &node.addr]))?);
         run.push(timed(
             weft_cmd()?.args(["run", "--node", &node.addr, "--", "true"]),
         )?);
@@ -200,6 +211,8 @@ fn measure_blocking(args: &FsRunArgs) -> anyhow::Result<serde_json::Value> {
     let null_plain_ms = ms(median(plain));
     let null_run_ms = ms(median(run));
     let null_run_fs_ms = ms(median(run_fs));
+    let weft_exe_ms = ms(median(exe));
+    let weft_status_ms = ms(median(call));
     // Andrew: a fresh volume holding the source tree for every run.
     eprintln!(
         "Andrew-like script over {} files: {} runs of each kind",
@@ -232,6 +245,8 @@ fn measure_blocking(args: &FsRunArgs) -> anyhow::Result<serde_json::Value> {
         "null_plain_ms": null_plain_ms,
         "null_run_ms": null_run_ms,
         "null_run_fs_ms": null_run_fs_ms,
+        "weft_version_ms": weft_exe_ms,
+        "weft_status_ms": weft_status_ms,
         "andrew_plain_s": s(median(plain)),
         "andrew_run_s": s(median(run)),
         "andrew_files": args.files,
