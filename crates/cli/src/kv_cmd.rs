@@ -7,7 +7,7 @@
 use bytes::Bytes;
 use weft::admin::{TxReply, TxRequest, TX_SERVICE};
 use weft_kv::{KvRequest, KvResponse, Op, Reply};
-use weft_wire::{Address, NodeId, ServiceName, Tid, TxContext};
+use weft_wire::{Address, NodeId, ServiceName, Xid};
 
 use crate::call_cmd::show;
 use crate::client::{Client, ClientOpts};
@@ -36,10 +36,10 @@ pub struct KeyArgs {
     /// The node whose store to use (default: the one --node points at).
     #[arg(long)]
     pub at: Option<u32>,
-    /// Run inside this transaction (default: $WEFT_TX, else a transaction of
-    /// its own).
+    /// Run inside this (sub-)transaction (default: $WEFT_TX, else a
+    /// transaction of its own).
     #[arg(long, env = "WEFT_TX")]
-    pub tx: Option<Tid>,
+    pub tx: Option<Xid>,
     /// The key.
     pub key: String,
 }
@@ -73,7 +73,7 @@ pub async fn run(cmd: KvCmd) -> anyhow::Result<()> {
         node,
     };
     let (ctx, own) = match args.tx {
-        Some(tid) => (TxContext::new(tid), false),
+        Some(xid) => (crate::call_cmd::context(xid), false),
         None => {
             let r: TxReply = client
                 .call_here(TX_SERVICE, TxRequest::Begin { timeout_ms: None })

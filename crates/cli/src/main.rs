@@ -13,6 +13,7 @@ mod net_cmd;
 mod node_cmd;
 mod raid_acks;
 mod raid_cmd;
+mod run;
 mod sim_cmd;
 mod state_cmd;
 mod status_cmd;
@@ -70,6 +71,12 @@ enum Cmd {
     /// Shared state segments: list, print, watch.
     #[command(subcommand)]
     State(state_cmd::StateCmd),
+    /// Run a program under a default transaction: its changes in --fs
+    /// directories (and its weft commands) commit when it exits 0.
+    Run(run::RunArgs),
+    /// Named leases held for a process (`weft run`), released when it ends.
+    #[command(subcommand)]
+    Lease(run::LeaseCmd),
 }
 
 fn main() {
@@ -112,6 +119,8 @@ fn main() {
             Cmd::Net(c) => net_cmd::run(c).await,
             Cmd::Sim(a) => sim_cmd::run(a).await,
             Cmd::State(c) => state_cmd::run(c).await,
+            Cmd::Run(a) => run::run(a).await,
+            Cmd::Lease(c) => run::lease_cmd(c).await,
         }
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));

@@ -320,7 +320,8 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<()> {
         .builder()?
         .plugin(Arc::new(kv))
         .plugin(weft_group::GroupPlugin::new(Default::default()))
-        .plugin(Arc::new(weft_state::StateHome::new(Default::default())));
+        .plugin(Arc::new(weft_state::StateHome::new(Default::default())))
+        .plugin(Arc::new(crate::run::lease::LeasePlugin::default()));
     if let Some(fs) = args.file_store()? {
         b = b.plugin(Arc::new(fs));
     }

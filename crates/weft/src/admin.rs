@@ -10,7 +10,7 @@ use weft_log::LogStats;
 use weft_rpc::{ServiceInfo, ServiceOptions};
 use weft_transport::{ClusterView, StatsSnapshot};
 use weft_tx::{RecoveryReport, TmStats, TxStatus};
-use weft_wire::{Failure, Incarnation, NodeId, Status, Tid, TxContext};
+use weft_wire::{Failure, Incarnation, NodeId, Status, Tid, TxContext, Xid};
 
 use crate::node::Node;
 
@@ -70,6 +70,13 @@ pub enum TxRequest {
     Status(Tid),
     /// Every transaction live at the answering node.
     List,
+    /// Begin a sub-transaction of this (sub-)transaction (the answering
+    /// node must run it: its coordinator); answered `Begun` with the
+    /// sub-transaction's context.
+    SubBegin(Xid),
+    /// End a sub-transaction: committed into its parent (true) or aborted
+    /// (false); answered `Done`.
+    SubEnd(Xid, bool),
 }
 
 /// Replies of `_tx`.
@@ -179,5 +186,15 @@ async fn tx_admin(node: &Node, req: TxRequest) -> Result<TxReply, Failure> {
             Ok(TxReply::Status { live, outcome })
         }
         TxRequest::List => Ok(TxReply::List(tm.list())),
+        TxRequest::SubBegin(xid) => {
+            let ctx = TxContext {
+                path: xid.path,
+                ..TxContext::new(xid.tid)
+            };
+            tm.sub_begin(&ctx).map(TxReply::Begun)
+        }
+        TxRequest::SubEnd(xid, committed) => tm
+            .sub_end(xid.tid, &xid.path, committed)
+            .map(|()| TxReply::Done),
     }
 }

@@ -7,6 +7,7 @@
 pub mod commit;
 pub mod debitcredit;
 pub mod fs;
+pub mod fs_run;
 pub mod kvstore;
 pub mod log;
 pub mod net;
@@ -53,6 +54,9 @@ pub enum BenchCmd {
     /// Transactional files against plain files (QuickSilver's Table 2):
     /// creating 100 small files, reading 256 KiB files.
     Fs(fs::FsArgs),
+    /// The `weft run` part of `weft bench fs`: the null program and an
+    /// Andrew-like script under `weft run` against running them plainly.
+    FsRun(fs_run::FsRunArgs),
 }
 
 /// Runs a benchmark.
@@ -68,6 +72,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Kvstore(a) => kvstore::run(a).await,
         BenchCmd::State(a) => state::run(a).await,
         BenchCmd::Fs(a) => fs::run(a).await,
+        BenchCmd::FsRun(a) => fs_run::run(a).await,
     }
 }
 
