@@ -409,7 +409,7 @@ impl TcpIo {
             if self.closed.load(Ordering::Acquire) {
                 return None;
             }
-            let Some(l) = link.upgrade() else { return None };
+            let l = link.upgrade()?;
             // The phase is judged first: before the handshake
             // completes, a frame of any kind but Hello, Auth
             // and Refused is refused by its header alone, and
@@ -435,7 +435,7 @@ impl TcpIo {
             match decode_frame(buf, &limits) {
                 Ok(Some(frame)) => {
                     whole = true;
-                    let Some(l) = link.upgrade() else { return None };
+                    let l = link.upgrade()?;
                     l.on_frame(frame);
                     if l.inbox_full() {
                         // Stop reading until the node catches
@@ -683,11 +683,11 @@ async fn accept_loop(listener: TcpListener, weak: Weak<Inner>) {
                             }
                         }
                     }
-                    Ok(Err(reason)) => {
-                        tracing::warn!("refused a TLS connection from {peer}: {reason}")
-                    }
-                    Err(_) => tracing::warn!(
-                        "refused a TLS connection from {peer}: no TLS handshake within {timeout:?}"
+                    Ok(Err(reason)) => refused(&weak, &peer, &reason),
+                    Err(_) => refused(
+                        &weak,
+                        &peer,
+                        &format!("no TLS handshake within {timeout:?}"),
                     ),
                 }
                 count.fetch_sub(1, Ordering::AcqRel);
@@ -706,6 +706,15 @@ async fn accept_loop(listener: TcpListener, weak: Weak<Inner>) {
             }
             Err(e) => tracing::warn!("cannot set up an accepted connection: {e}"),
         }
+    }
+}
+
+/// Logs a connection refused before it became a link (its TLS handshake
+/// failed) and keeps it for [`crate::Endpoint::refusals`].
+fn refused(ep: &Weak<Inner>, peer: &str, reason: &str) {
+    tracing::warn!("refused a connection from {peer}: {reason}");
+    if let Some(ep) = ep.upgrade() {
+        ep.note_refusal(format!("Refused on tcp+tls from {peer}: {reason}"));
     }
 }
 

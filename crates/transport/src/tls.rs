@@ -200,18 +200,17 @@ fn established(stream: TcpStream, mut conn: Connection) -> Established {
 /// an alert), or a certificate this end refused.
 fn explain(e: &io::Error) -> String {
     let hint = match e.get_ref().and_then(|r| r.downcast_ref::<rustls::Error>()) {
-        Some(rustls::Error::AlertReceived(a)) => match a {
+        Some(rustls::Error::AlertReceived(
             rustls::AlertDescription::BadCertificate
             | rustls::AlertDescription::UnknownCA
             | rustls::AlertDescription::CertificateExpired
             | rustls::AlertDescription::CertificateRequired
             | rustls::AlertDescription::CertificateUnknown
-            | rustls::AlertDescription::DecryptError => {
-                "; the peer refused this end's certificate (is it signed by the cluster's CA \
-                 and still valid?)"
-            }
-            _ => "",
-        },
+            | rustls::AlertDescription::DecryptError,
+        )) => {
+            "; the peer refused this end's certificate (is it signed by the cluster's CA \
+             and still valid?)"
+        }
         Some(rustls::Error::InvalidCertificate(_)) => {
             "; the peer's certificate is not one of this cluster's (signed by the CA given \
              with --tls-ca, valid now, for the name weft-node)"

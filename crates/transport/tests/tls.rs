@@ -228,12 +228,26 @@ async fn refused_everywhere(c: &Cluster, tls: Option<TlsConfig>, case: &str) -> 
     failure
 }
 
+/// Waits until node `ep` has recorded a refusal containing `words`.
+async fn node_refused(ep: &Endpoint, words: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !ep.refusals().iter().any(|r| r.contains(words)) {
+        assert!(
+            Instant::now() < until,
+            "no refusal with {words:?}: {:?}",
+            ep.refusals()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plaintext_peer_is_refused_with_a_clear_error() {
     let c = tls_cluster().await;
     let f = refused_everywhere(&c, None, "plaintext").await;
     assert_eq!(f.status, Status::Refused, "{f}");
     assert!(f.detail.contains("requires TLS"), "{f}");
+    node_refused(&c.eps[0], "plaintext peer refused").await;
     for ep in &c.eps {
         ep.shutdown().await;
     }
@@ -247,7 +261,10 @@ async fn a_certificate_from_another_ca_is_refused() {
     // Trusting only its own CA, the peer refuses the node's certificate.
     let f = refused_everywhere(&c, Some(tls_of(&other, &pair)), "other CA").await;
     assert_eq!(f.status, Status::Refused, "{f}");
-    assert!(f.detail.contains("invalid peer certificate: UnknownIssuer"), "{f}");
+    assert!(
+        f.detail.contains("invalid peer certificate: UnknownIssuer"),
+        "{f}"
+    );
     // Trusting the cluster's CA, it is the node that refuses its certificate.
     let cheat = TlsConfig::from_pem(
         pair.cert.as_bytes(),
@@ -258,6 +275,7 @@ async fn a_certificate_from_another_ca_is_refused() {
     let f = refused_everywhere(&c, Some(cheat), "other CA, trusting ours").await;
     assert_eq!(f.status, Status::Refused, "{f}");
     assert!(f.detail.contains("refused this end's certificate"), "{f}");
+    node_refused(&c.eps[0], "invalid peer certificate: UnknownIssuer").await;
     for ep in &c.eps {
         ep.shutdown().await;
     }
@@ -275,6 +293,7 @@ async fn an_expired_certificate_is_refused() {
     let f = refused_everywhere(&c, Some(tls_of(&c.ca, &pair)), "expired").await;
     assert_eq!(f.status, Status::Refused, "{f}");
     assert!(f.detail.contains("refused this end's certificate"), "{f}");
+    node_refused(&c.eps[0], "invalid peer certificate: certificate expired").await;
     for ep in &c.eps {
         ep.shutdown().await;
     }
@@ -297,15 +316,7 @@ async fn a_tls_peer_of_a_plaintext_node_is_refused() {
     assert_eq!(handled.load(Ordering::SeqCst), 0);
     assert!(plain.view().nodes.iter().all(|s| s.info.id != NodeId(2)));
     // The plaintext node says why in its refusals.
-    let until = Instant::now() + Duration::from_secs(10);
-    while !plain.refusals().iter().any(|r| r.contains("speaks TLS")) {
-        assert!(
-            Instant::now() < until,
-            "no refusal recorded: {:?}",
-            plain.refusals()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    node_refused(&plain, "speaks TLS").await;
     other.shutdown().await;
     plain.shutdown().await;
 }
