@@ -14,6 +14,7 @@ mod raid_acks;
 mod raid_cmd;
 mod sim_cmd;
 mod status_cmd;
+mod tls_cmd;
 mod tx_cmd;
 
 use clap::{Parser, Subcommand};
@@ -50,6 +51,9 @@ enum Cmd {
     Raid(raid_cmd::RaidCmd),
     /// Create, join, send to and list process groups.
     Group(group_cmd::GroupArgs),
+    /// Certificates for mutual TLS between nodes and clients.
+    #[command(subcommand)]
+    Tls(tls_cmd::TlsCmd),
     /// Deterministic whole-cluster simulation under many seeds (faults, crashes, checkers).
     Sim(sim_cmd::SimArgs),
     /// Benchmarks against same-run baselines.
@@ -98,6 +102,7 @@ fn main() {
             Cmd::Bench(c) => bench::run(c).await,
             Cmd::Net(c) => net_cmd::run(c).await,
             Cmd::Sim(a) => sim_cmd::run(a).await,
+            Cmd::Tls(c) => tls_cmd::run(c).await,
         }
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));
