@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 use parking_lot::Mutex;
 use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
@@ -161,31 +161,39 @@ impl TcpIo {
         }
     }
 
-    /// Reads what the socket has: plaintext bytes into `out`. Returns how
-    /// many (0 at end of stream) and whether the socket is known drained
-    /// (a short plaintext read; TLS reads never claim it).
-    fn read_some(&self, out: &mut [u8]) -> io::Result<(usize, bool)> {
+    /// Reads what the socket has (one `recv` of at most `chunk`'s size) and
+    /// appends its plaintext to `buf`. Returns `None` at the end of the
+    /// stream, else whether the read was short (the socket is drained).
+    /// Through TLS, the records read are decrypted at once, and a read may
+    /// append nothing (a record not whole yet, a TLS control message).
+    fn read_some(&self, chunk: &mut [u8], buf: &mut BytesMut) -> io::Result<Option<bool>> {
+        let n = self.stream.get_ref().read(chunk)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let drained = n < chunk.len();
         let Some(tls) = &self.tls else {
-            let n = self.stream.get_ref().read(out)?;
-            return Ok((n, n < out.len()));
+            buf.extend_from_slice(&chunk[..n]);
+            return Ok(Some(drained));
         };
         let mut conn = tls.lock();
-        let mut sock = self.stream.get_ref();
-        loop {
-            match conn.reader().read(out) {
-                Ok(n) => return Ok((n, false)),
+        let mut records = &chunk[..n];
+        while !records.is_empty() {
+            // Takes what fits in rustls's buffer; decrypting makes room.
+            conn.read_tls(&mut records)?;
+            if let Err(e) = conn.process_new_packets() {
+                // rustls queued an alert saying why: best effort.
+                let _ = conn.write_tls(&mut self.stream.get_ref());
+                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+            }
+            match io::copy(&mut conn.reader(), &mut (&mut *buf).writer()) {
+                // The peer said close_notify: the stream ends here.
+                Ok(_) => return Ok(None),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
-            if conn.read_tls(&mut sock)? == 0 {
-                return Ok((0, true));
-            }
-            if let Err(e) = conn.process_new_packets() {
-                // rustls queued an alert saying why: best effort.
-                let _ = conn.write_tls(&mut sock);
-                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
-            }
         }
+        Ok(Some(drained))
     }
 
     /// Puts an unwritten remainder back in front of whatever was appended
@@ -354,19 +362,18 @@ impl TcpIo {
                     return;
                 }
             };
-            match self.read_some(&mut chunk) {
-                Ok((0, _)) => {
+            match self.read_some(&mut chunk, &mut buf) {
+                Ok(None) => {
                     self.fail(&link, "connection closed by peer");
                     return;
                 }
-                Ok((n, drained)) => {
+                Ok(Some(drained)) => {
                     if drained {
                         // A short read drained the socket: wait for the
                         // next readiness event instead of trying again.
                         ready.clear_ready();
                     }
                     drop(ready);
-                    buf.extend_from_slice(&chunk[..n]);
                     let Some(whole) = self.take_frames(&mut buf, &link, limits).await else {
                         return;
                     };
