@@ -10,6 +10,8 @@ mod group_cmd;
 mod kv_cmd;
 mod net_cmd;
 mod node_cmd;
+#[cfg(feature = "otel")]
+mod otel;
 mod raid_acks;
 mod raid_cmd;
 mod sim_cmd;
@@ -26,6 +28,11 @@ struct Cli {
     /// Log filter (tracing env-filter syntax), e.g. `info` or `weft_tx=debug`.
     #[arg(long, global = true, env = "WEFT_LOG", default_value = "warn")]
     log: String,
+    /// Export tracing spans over OTLP/HTTP to this collector URL (e.g.
+    /// http://127.0.0.1:4318/v1/traces); built with the `otel` feature.
+    #[cfg(feature = "otel")]
+    #[arg(long, global = true, env = "WEFT_OTLP_ENDPOINT")]
+    otlp: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -79,12 +86,20 @@ fn main() {
         (Cmd::Sim(_), "warn") => "off",
         (_, f) => f,
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| "warn".into()),
-        )
+    use tracing_subscriber::layer::SubscriberExt;
+    #[cfg(not(feature = "otel"))]
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .init();
+        .with_filter(
+            tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| "warn".into()),
+        );
+    let registry = tracing_subscriber::registry().with(logs);
+    #[cfg(feature = "otel")]
+    let otel = otel::install(registry, cli.otlp.as_deref());
+    #[cfg(not(feature = "otel"))]
+    registry.init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -106,6 +121,8 @@ fn main() {
         }
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));
+    #[cfg(feature = "otel")]
+    drop(otel); // sends the spans still batched
     if let Err(e) = result {
         let code = client::exit_code_of(&e);
         eprintln!("weft: {e:#}");
