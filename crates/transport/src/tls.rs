@@ -354,8 +354,20 @@ pub(crate) async fn connect(
         Err(e) => {
             let first = first.lock();
             if first.first() == Some(&weft_wire::codec::MAGIC[0]) {
-                let said = plaintext_answer(&first)
-                    .map(|r| format!(" (it said: {r})"))
+                let answer = plaintext_answer(&first);
+                if let Some(r) = answer.as_ref().filter(|r| r.status == Status::Unavailable) {
+                    // A TLS node too busy to handshake turns away in
+                    // plaintext, before reading anything.
+                    return Err((
+                        Status::Unavailable,
+                        format!(
+                            "the node at {addr} turned the connection away: {}",
+                            r.reason
+                        ),
+                    ));
+                }
+                let said = answer
+                    .map(|r| format!(" (it said: {})", r.reason))
                     .unwrap_or_default();
                 return Err((
                     Status::Refused,
@@ -373,12 +385,12 @@ pub(crate) async fn connect(
     }
 }
 
-/// What a plaintext weft answer to a ClientHello says, if `bytes` start
-/// with a whole Refused frame.
-fn plaintext_answer(bytes: &[u8]) -> Option<String> {
+/// The plaintext weft answer to a ClientHello, if `bytes` start with a
+/// whole Refused frame.
+fn plaintext_answer(bytes: &[u8]) -> Option<Refused> {
     let mut buf = BytesMut::from(bytes);
     match decode_frame(&mut buf, &Limits::default().handshake()) {
-        Ok(Some(Frame::Refused(r))) => Some(r.reason),
+        Ok(Some(Frame::Refused(r))) => Some(r),
         _ => None,
     }
 }
