@@ -1,12 +1,13 @@
 //! Talking to a running node from the command line: a client link (not a
 //! cluster member) to one node, which relays calls to the others.
 //!
-//! Owns connection options (address, secret), typed calls, reconnecting
+//! Owns connection options (address, secret, TLS files), typed calls, reconnecting
 //! after the node restarts ([`Redial`]) and the exit code of a failure.
 //! Must never join the cluster, and never lose a failure's status on the
 //! way to the exit code.
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use weft_transport::{Endpoint, TransportConfig};
+use weft_transport::{Endpoint, TlsConfig, TransportConfig};
 use weft_wire::{
     Address, Failure, Incarnation, NodeId, Payload, Request, ServiceName, Status, TxContext,
 };
@@ -36,6 +37,45 @@ pub struct ClientOpts {
     /// How long to wait for an answer.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// TLS files, when the cluster runs TLS.
+    #[command(flatten)]
+    pub tls: TlsOpts,
+}
+
+/// Mutual TLS on TCP links: this end's certificate and key, and the
+/// cluster's CA. The same three flags on `weft node` and every client
+/// command; give all three or none (see docs/tls.md).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct TlsOpts {
+    /// This end's certificate (PEM, signed by the cluster's CA); turns TLS on.
+    #[arg(long, env = "WEFT_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "WEFT_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// The cluster's CA certificate (PEM): peers must present a certificate
+    /// it signed.
+    #[arg(long, env = "WEFT_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl TlsOpts {
+    /// The TLS settings the flags name; `None` when none is given.
+    ///
+    /// Fails when only some of the three are given, or a file cannot be
+    /// read or does not hold what it should.
+    pub fn load(&self) -> anyhow::Result<Option<TlsConfig>> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (None, None, None) => Ok(None),
+            (Some(cert), Some(key), Some(ca)) => TlsConfig::from_files(cert, key, ca)
+                .map(Some)
+                .map_err(|e| anyhow!("{e}")),
+            _ => Err(anyhow!(
+                "TLS needs all three of --tls-cert, --tls-key and --tls-ca \
+                 (or WEFT_TLS_CERT, WEFT_TLS_KEY, WEFT_TLS_CA)"
+            )),
+        }
+    }
 }
 
 /// Parses durations like `250ms`, `10s`, `2m`, `1.5s` (a bare number means
@@ -102,12 +142,18 @@ impl Client {
     }
 
     /// Connects and authenticates, failing with a status: AddrError when
-    /// the address does not resolve, else the link's.
+    /// the address does not resolve, BadRequest when the TLS files cannot be
+    /// loaded, Refused when TLS is refused (either end), else the link's.
     pub async fn dial(opts: &ClientOpts) -> Result<Client, Failure> {
         let addr =
             resolve(&opts.node).map_err(|e| Failure::new(Status::AddrError, format!("{e:#}")))?;
+        let tls = opts
+            .tls
+            .load()
+            .map_err(|e| Failure::new(Status::BadRequest, format!("{e:#}")))?;
         let cfg = TransportConfig {
             secret: opts.secret.as_bytes().to_vec(),
+            tls,
             connect_timeout: opts.timeout.min(Duration::from_secs(5)),
             ..TransportConfig::client(Incarnation(std::process::id()))
         };

@@ -201,6 +201,7 @@ async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resul
         node: first,
         secret: String::new(),
         timeout: Duration::from_secs(60),
+        tls: Default::default(),
     };
     // Wait until the directory sees every site.
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -33,6 +33,9 @@ pub struct Conn {
         hide_env_values = true
     )]
     pub cluster_secret: String,
+    /// TLS files, when the cluster runs TLS.
+    #[command(flatten)]
+    pub tls: crate::client::TlsOpts,
 }
 
 /// `weft group` arguments.
@@ -144,9 +147,10 @@ fn group(text: &str) -> Result<GroupId, Failure> {
 
 async fn connect(conn: &Conn) -> anyhow::Result<GroupClient> {
     let addr = resolve(&conn.node)?;
-    GroupClient::connect(
+    GroupClient::connect_tls(
         addr,
         conn.cluster_secret.as_bytes(),
+        conn.tls.load()?,
         Duration::from_secs(10),
     )
     .await

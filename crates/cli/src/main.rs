@@ -11,6 +11,8 @@ mod group_cmd;
 mod kv_cmd;
 mod net_cmd;
 mod node_cmd;
+#[cfg(feature = "otel")]
+mod otel;
 mod raid_acks;
 mod raid_cmd;
 mod run;
@@ -18,6 +20,7 @@ mod sim_cmd;
 mod state_cmd;
 mod status_cmd;
 mod top_cmd;
+mod tls_cmd;
 mod tx_cmd;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +32,11 @@ struct Cli {
     /// Log filter (tracing env-filter syntax), e.g. `info` or `weft_tx=debug`.
     #[arg(long, global = true, env = "WEFT_LOG", default_value = "warn")]
     log: String,
+    /// Export tracing spans over OTLP/HTTP to this collector URL (e.g.
+    /// http://127.0.0.1:4318/v1/traces); built with the `otel` feature.
+    #[cfg(feature = "otel")]
+    #[arg(long, global = true, env = "WEFT_OTLP_ENDPOINT")]
+    otlp: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -59,6 +67,9 @@ enum Cmd {
     Raid(raid_cmd::RaidCmd),
     /// Create, join, send to and list process groups.
     Group(group_cmd::GroupArgs),
+    /// Certificates for mutual TLS between nodes and clients.
+    #[command(subcommand)]
+    Tls(tls_cmd::TlsCmd),
     /// Deterministic whole-cluster simulation under many seeds (faults, crashes, checkers).
     Sim(sim_cmd::SimArgs),
     /// Benchmarks against same-run baselines.
@@ -93,12 +104,20 @@ fn main() {
         (Cmd::Sim(_), "warn") => "off",
         (_, f) => f,
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| "warn".into()),
-        )
+    use tracing_subscriber::layer::SubscriberExt;
+    #[cfg(not(feature = "otel"))]
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .init();
+        .with_filter(
+            tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| "warn".into()),
+        );
+    let registry = tracing_subscriber::registry().with(logs);
+    #[cfg(feature = "otel")]
+    let otel = otel::install(registry, cli.otlp.as_deref());
+    #[cfg(not(feature = "otel"))]
+    registry.init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -121,9 +140,12 @@ fn main() {
             Cmd::State(c) => state_cmd::run(c).await,
             Cmd::Run(a) => run::run(a).await,
             Cmd::Lease(c) => run::lease_cmd(c).await,
+            Cmd::Tls(c) => tls_cmd::run(c).await,
         }
     });
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));
+    #[cfg(feature = "otel")]
+    drop(otel); // sends the spans still batched
     if let Err(e) = result {
         let code = client::exit_code_of(&e);
         eprintln!("weft: {e:#}");

@@ -75,6 +75,9 @@ pub struct ProxyArgs {
         hide_env_values = true
     )]
     pub secret: String,
+    /// Mutual TLS on this node's TCP links.
+    #[command(flatten)]
+    pub tls: crate::client::TlsOpts,
     /// Most bytes one transaction may hold (and read) per connection.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_hold: usize,
@@ -196,6 +199,7 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let mut b = Node::builder(a.id)
         .listen(resolve(&a.node_listen)?)
         .secret(a.secret.as_bytes())
+        .tls(a.tls.load()?)
         .failure_detector(a.heartbeat, a.dead_after)
         .plugin(Arc::new(proxy.clone()));
     if let Some(dir) = &a.data_dir {

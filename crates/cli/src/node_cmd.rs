@@ -15,7 +15,7 @@ use weft::kv::{DiskOptions, Kv, KvConfig, KvEngine};
 use weft::{ChannelSet, Node, NodeBuilder, NodeError, Seed, Status, TmConfig};
 use weft_tx::CrashPoint;
 
-use crate::client::{parse_duration, resolve, Client, ClientOpts};
+use crate::client::{parse_duration, resolve, Client, ClientOpts, TlsOpts};
 
 /// Flags of `weft node`.
 #[derive(clap::Args, Debug, Clone)]
@@ -48,6 +48,9 @@ pub struct NodeArgs {
         hide_env_values = true
     )]
     pub secret: String,
+    /// Mutual TLS on TCP links (node to node and client to node).
+    #[command(flatten)]
+    pub tls: TlsOpts,
     /// Shared memory with same-host peers, `on` or `off` (TCP instead).
     /// Same host means same kernel boot and same network namespace: nodes
     /// in different namespaces (containers, `ip netns`) always use TCP.
@@ -128,8 +131,9 @@ impl NodeArgs {
     /// backoff, for up to --join-timeout. `None` without --join.
     ///
     /// Fails with the last member's failure when none answered in time
-    /// (ProcDead/HostDead/TimedOut: exit 3), at once on a wrong secret or
-    /// an address that does not resolve.
+    /// (ProcDead/HostDead/TimedOut: exit 3), at once on a wrong secret, TLS
+    /// refused either way, TLS files that do not load, or an address that
+    /// does not resolve.
     pub async fn find_seed(&self) -> anyhow::Result<Option<Seed>> {
         if self.join.is_empty() {
             return Ok(None);
@@ -144,13 +148,22 @@ impl NodeArgs {
                     node: seed.clone(),
                     secret: self.secret.clone(),
                     timeout: Duration::from_secs(2),
+                    tls: self.tls.clone(),
                 };
                 match Client::dial(&opts).await {
                     Ok(c) => {
                         c.close().await;
                         return Ok(Some(Seed::Tcp(resolve(seed)?)));
                     }
-                    Err(f) if matches!(f.status, Status::AddrError | Status::WrongSecret) => {
+                    Err(f)
+                        if matches!(
+                            f.status,
+                            Status::AddrError
+                                | Status::WrongSecret
+                                | Status::Refused
+                                | Status::BadRequest
+                        ) =>
+                    {
                         return Err(anyhow::Error::new(f).context(format!("cannot join {seed}")));
                     }
                     Err(f) => last = Some((seed, f)),
@@ -219,6 +232,7 @@ impl NodeArgs {
         let mut b = Node::builder(self.id)
             .listen(listen)
             .secret(self.secret.as_bytes())
+            .tls(self.tls.load()?)
             .failure_detector(self.heartbeat, self.dead_after)
             .checkpoint_every(Some(self.checkpoint_every))
             .channels(ChannelSet {

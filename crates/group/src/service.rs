@@ -488,8 +488,23 @@ impl GroupClient {
         secret: &[u8],
         timeout: Duration,
     ) -> Result<GroupClient, Failure> {
+        GroupClient::connect_tls(addr, secret, None, timeout).await
+    }
+
+    /// [`GroupClient::connect`] over mutual TLS when `tls` is given (the
+    /// node must run TLS too; see `docs/tls.md`).
+    ///
+    /// Fails as [`GroupClient::connect`], or with Refused when either end
+    /// refuses the other's TLS (or its lack).
+    pub async fn connect_tls(
+        addr: SocketAddr,
+        secret: &[u8],
+        tls: Option<weft_transport::TlsConfig>,
+        timeout: Duration,
+    ) -> Result<GroupClient, Failure> {
         let cfg = TransportConfig {
             secret: secret.to_vec(),
+            tls,
             connect_timeout: timeout.min(Duration::from_secs(5)),
             ..TransportConfig::client(Incarnation(std::process::id()))
         };

@@ -400,6 +400,14 @@ impl Rpc {
             }
         }
         let tid = ctx.as_ref().map(|c| c.tid);
+        let span = match tid {
+            Some(t) => tracing::debug_span!("call", tid = %t, to = %addr),
+            None => tracing::debug_span!("call", to = %addr),
+        };
+        #[cfg(feature = "otel")]
+        if let Some(ctx) = ctx.as_mut() {
+            crate::otel::inject(&span, ctx.tid, &mut ctx.baggage);
+        }
         let request = Request {
             call_id: 0,
             service: addr.service.clone(),
@@ -409,10 +417,6 @@ impl Rpc {
             tx: ctx.map(Box::new),
             flags: 0,
             payload,
-        };
-        let span = match tid {
-            Some(t) => tracing::debug_span!("call", tid = %t, to = %addr),
-            None => tracing::debug_span!("call", to = %addr),
         };
         let resp = inner
             .endpoint
@@ -534,7 +538,8 @@ impl Rpc {
 struct Dispatch(Weak<RpcInner>);
 
 impl RequestHandler for Dispatch {
-    fn handle(&self, from: PeerRef, request: Request, responder: Responder) {
+    #[cfg_attr(not(feature = "otel"), allow(unused_mut))]
+    fn handle(&self, from: PeerRef, mut request: Request, responder: Responder) {
         let Some(inner) = self.0.upgrade() else {
             responder.fail(Failure::new(Status::ShuttingDown, "node is shutting down"));
             return;
@@ -546,12 +551,21 @@ impl RequestHandler for Dispatch {
             return;
         }
         let span = match &request.tx {
-            Some(t) => tracing::debug_span!("serve", tid = %t.tid, service = %request.service),
+            Some(t) => tracing::debug_span!(
+                "serve",
+                tid = %t.tid,
+                service = %request.service,
+                node = %rpc.node_id()
+            ),
             None => tracing::debug_span!("serve", service = %request.service),
         };
         // A relayed call is counted by the node that serves it.
         let counted =
             (!relay && weft_transport::metrics::exporting()).then(|| request.service.clone());
+        #[cfg(feature = "otel")]
+        if let Some(ctx) = request.tx.as_deref_mut() {
+            crate::otel::extract(&span, ctx);
+        }
         let fut: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(
             async move {
                 let resp = rpc.serve(from, request).await;

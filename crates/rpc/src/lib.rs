@@ -11,6 +11,8 @@
 //! transport does).
 
 mod call;
+#[cfg(feature = "otel")]
+pub mod otel;
 mod plugin;
 mod service;
 mod transaction;

@@ -7,6 +7,7 @@
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tracing::Instrument;
 use weft_wire::{Address, Failure, Payload, Status, SubPath, Tid, TxContext};
 
 use crate::call::Rpc;
@@ -108,7 +109,11 @@ impl Transaction {
     /// durable.
     pub async fn commit(mut self) -> Result<(), Failure> {
         self.done = true;
-        self.rpc.tm().commit(self.ctx.tid).await
+        let tid = self.ctx.tid;
+        let span = tracing::debug_span!("tx.commit", %tid);
+        #[cfg(feature = "otel")]
+        crate::otel::root(&span, tid);
+        self.rpc.tm().commit(tid).instrument(span).await
     }
 
     /// Aborts; every participant is told.

@@ -52,6 +52,10 @@ pub struct TransportConfig {
     pub listen: Option<SocketAddr>,
     /// Channels this node may use.
     pub channels: ChannelSet,
+    /// Mutual TLS on TCP links, both ways (`None`: plaintext TCP). A node
+    /// with TLS refuses plaintext peers and clients; a node without it
+    /// refuses TLS ones. Shared-memory and in-process links are unaffected.
+    pub tls: Option<crate::tls::TlsConfig>,
     /// The in-process hub; `None` uses the process-wide default hub.
     pub hub: Option<Arc<InprocHub>>,
     /// Fault injection applied to every link of this node (tests).
@@ -112,6 +116,7 @@ impl TransportConfig {
             secret: Vec::new(),
             listen: None,
             channels: ChannelSet::default(),
+            tls: None,
             hub: None,
             fault: None,
             limits: Limits::default(),

@@ -1200,6 +1200,16 @@ impl Inner {
         }
     }
 
+    /// Keeps one line for [`Endpoint::refusals`] (the oldest goes when
+    /// full).
+    pub(crate) fn note_refusal(&self, line: String) {
+        let mut log = self.refusals.lock();
+        if log.len() == MAX_REFUSALS {
+            log.pop_front();
+        }
+        log.push_back(line);
+    }
+
     pub(crate) fn link_down(
         self: &Arc<Self>,
         link: &Arc<Link>,
@@ -1220,11 +1230,7 @@ impl Inner {
                 | Status::TooLarge
         ) || (cause == Status::TimedOut && peer.is_none())
         {
-            let mut log = self.refusals.lock();
-            if log.len() == MAX_REFUSALS {
-                log.pop_front();
-            }
-            log.push_back(format!("{cause} on {}: {reason}", link.describe()));
+            self.note_refusal(format!("{cause} on {}: {reason}", link.describe()));
         }
         let status = match cause {
             Status::ShuttingDown | Status::Ok => Status::ProcDead,

@@ -1,9 +1,10 @@
 //! weft's messaging layer: one [`Endpoint`] per node moves frames to peers over
 //! the cheapest channel that reaches them (in-process hand-off, shared memory,
-//! TCP), authenticates every link with the cluster secret, keeps the cluster
+//! TCP, optionally inside mutual TLS), authenticates every link with the cluster secret, keeps the cluster
 //! directory (naming), detects dead peers with heartbeats, and can inject
 //! faults for tests.
 
+pub mod certs;
 pub mod channel;
 pub mod config;
 pub mod fault;
@@ -14,6 +15,7 @@ pub mod host;
 pub mod metrics;
 pub mod naming;
 pub mod shm;
+pub mod tls;
 
 mod calls;
 mod detector;
@@ -34,3 +36,4 @@ pub use inproc::InprocHub;
 pub use link::PeerRef;
 pub use naming::{NamingMsg, NodeInfo};
 pub use shm::{BusyPoll, ShmConfig, SpinPolicy};
+pub use tls::{TlsConfig, TlsError};

@@ -17,6 +17,14 @@
 //! its link after `write_stall_timeout`; at most `max_handshaking` accepted
 //! connections handshake at once; the accept loop backs off when the
 //! process is out of descriptors. Owns sockets, never protocol state.
+//!
+//! With TLS configured ([`crate::tls`]), a connection first completes a
+//! mutual-TLS handshake (accepted ones in their own task, under the
+//! handshaking bound and the handshake timeout) and only then becomes a link;
+//! the same paths then write and read through the rustls state, which
+//! encrypts in the sender's context as plaintext TCP writes there. TLS
+//! control records rustls wants to send on its own (an alert, a key update
+//! answer) leave with the next write, at the latest the next heartbeat.
 
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
@@ -24,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 use parking_lot::Mutex;
 use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
@@ -38,6 +46,7 @@ use crate::channel::{io_error, ChannelKind, IoError, LinkIo};
 use crate::endpoint::Inner;
 use crate::handshake::Side;
 use crate::link::Link;
+use crate::tls;
 
 /// Most bytes buffered for one link before senders get `Full`.
 const MAX_BUFFERED: usize = 256 << 20;
@@ -75,6 +84,8 @@ pub(crate) struct TcpIo {
     /// [`crate::TransportConfig::write_stall_timeout`].
     stall: Duration,
     desc: String,
+    /// The TLS state of a TLS link: every byte in and out goes through it.
+    tls: Option<Mutex<rustls::Connection>>,
 }
 
 impl TcpIo {
@@ -83,6 +94,7 @@ impl TcpIo {
         limits: &Limits,
         stall: Duration,
         desc: String,
+        tls: Option<rustls::Connection>,
     ) -> io::Result<Arc<TcpIo>> {
         let std = stream.into_std()?;
         std.set_nonblocking(true)?;
@@ -104,12 +116,16 @@ impl TcpIo {
             closed: AtomicBool::new(false),
             stall,
             desc,
+            tls: tls.map(Mutex::new),
         }))
     }
 
     /// Writes as much of `chunk` as the socket takes without blocking.
     /// Returns true when all of it was written.
     fn write_now(&self, chunk: &mut BytesMut) -> io::Result<bool> {
+        if let Some(tls) = &self.tls {
+            return self.write_tls(&mut tls.lock(), chunk);
+        }
         while !chunk.is_empty() {
             match self.stream.get_ref().write(chunk) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
@@ -119,6 +135,65 @@ impl TcpIo {
             }
         }
         Ok(true)
+    }
+
+    /// [`Self::write_now`] through TLS: first what rustls holds encrypted
+    /// already, then `chunk`, as much as rustls buffers at once. True once
+    /// all of it (and everything rustls held) went to the socket.
+    fn write_tls(&self, conn: &mut rustls::Connection, chunk: &mut BytesMut) -> io::Result<bool> {
+        let mut sock = self.stream.get_ref();
+        loop {
+            while conn.wants_write() {
+                match conn.write_tls(&mut sock) {
+                    Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                    Err(e) => return Err(e),
+                }
+            }
+            if chunk.is_empty() {
+                return Ok(true);
+            }
+            // Takes at most what fits under rustls's buffer limit; the
+            // loop sends it and comes back for the rest.
+            let n = conn.writer().write(chunk)?;
+            chunk.advance(n);
+        }
+    }
+
+    /// Reads what the socket has (one `recv` of at most `chunk`'s size) and
+    /// appends its plaintext to `buf`. Returns `None` at the end of the
+    /// stream, else whether the read was short (the socket is drained).
+    /// Through TLS, the records read are decrypted at once, and a read may
+    /// append nothing (a record not whole yet, a TLS control message).
+    fn read_some(&self, chunk: &mut [u8], buf: &mut BytesMut) -> io::Result<Option<bool>> {
+        let n = self.stream.get_ref().read(chunk)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let drained = n < chunk.len();
+        let Some(tls) = &self.tls else {
+            buf.extend_from_slice(&chunk[..n]);
+            return Ok(Some(drained));
+        };
+        let mut conn = tls.lock();
+        let mut records = &chunk[..n];
+        while !records.is_empty() {
+            // Takes what fits in rustls's buffer; decrypting makes room.
+            conn.read_tls(&mut records)?;
+            if let Err(e) = conn.process_new_packets() {
+                // rustls queued an alert saying why: best effort.
+                let _ = conn.write_tls(&mut self.stream.get_ref());
+                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+            }
+            match io::copy(&mut conn.reader(), &mut (&mut *buf).writer()) {
+                // The peer said close_notify: the stream ends here.
+                Ok(_) => return Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Some(drained))
     }
 
     /// Puts an unwritten remainder back in front of whatever was appended
@@ -236,15 +311,24 @@ impl TcpIo {
         }
     }
 
-    async fn reader_task(self: Arc<Self>, link: Weak<Link>, limits: Limits) {
-        let handshake_limits = limits.handshake();
-        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    /// Reads frames until the link closes. `buf` holds what was read
+    /// already (plaintext a TLS handshake decrypted along with its end).
+    async fn reader_task(self: Arc<Self>, link: Weak<Link>, limits: Limits, mut buf: BytesMut) {
+        buf.reserve(READ_CHUNK);
         let mut chunk = vec![0u8; READ_CHUNK];
         // When the frame at the front of `buf` began to arrive, if one is
         // incomplete: a peer that starts a frame and stops (slowloris) must
         // not hold the buffer forever, so a frame gets as long as a
         // fragmented message does (before the handshake, its bound applies).
         let mut partial_since: Option<tokio::time::Instant> = None;
+        if !buf.is_empty() {
+            if self.take_frames(&mut buf, &link, limits).await.is_none() {
+                return;
+            }
+            if !buf.is_empty() {
+                partial_since = Some(tokio::time::Instant::now());
+            }
+        }
         loop {
             if self.closed.load(Ordering::Acquire) {
                 return;
@@ -278,65 +362,23 @@ impl TcpIo {
                     return;
                 }
             };
-            match ready.get_inner().read(&mut chunk) {
-                Ok(0) => {
+            let before = buf.len();
+            match self.read_some(&mut chunk, &mut buf) {
+                Ok(None) => {
                     self.fail(&link, "connection closed by peer");
                     return;
                 }
-                Ok(n) => {
-                    if n < chunk.len() {
+                Ok(Some(drained)) => {
+                    if drained {
                         // A short read drained the socket: wait for the
                         // next readiness event instead of trying again.
                         ready.clear_ready();
                     }
                     drop(ready);
-                    crate::metrics::bytes_received(ChannelKind::Tcp, n);
-                    buf.extend_from_slice(&chunk[..n]);
-                    let mut whole = false;
-                    loop {
-                        if self.closed.load(Ordering::Acquire) {
-                            return;
-                        }
-                        let Some(l) = link.upgrade() else { return };
-                        // The phase is judged first: before the handshake
-                        // completes, a frame of any kind but Hello, Auth
-                        // and Refused is refused by its header alone, and
-                        // frames may be no larger than a handshake needs.
-                        let up = l.is_up();
-                        if !up {
-                            if let Some(kind) = peek_kind(&buf).filter(|k| {
-                                !matches!(
-                                    k,
-                                    FrameKind::Hello | FrameKind::Auth | FrameKind::Refused
-                                )
-                            }) {
-                                l.refuse(
-                                    Status::ProtocolError,
-                                    &format!("{kind:?} frame before the handshake completed"),
-                                );
-                                return;
-                            }
-                        }
-                        drop(l);
-                        let limits = if up { limits } else { handshake_limits };
-                        match decode_frame(&mut buf, &limits) {
-                            Ok(Some(frame)) => {
-                                whole = true;
-                                let Some(l) = link.upgrade() else { return };
-                                l.on_frame(frame);
-                                if l.inbox_full() {
-                                    // Stop reading until the node catches
-                                    // up: the peer's sends back up to it.
-                                    l.inbox_room().await;
-                                }
-                            }
-                            Ok(None) => break,
-                            Err(e) => match link.upgrade() {
-                                Some(l) if l.on_malformed(&e, "malformed frame") => {}
-                                _ => return,
-                            },
-                        }
-                    }
+                    crate::metrics::bytes_received(ChannelKind::Tcp, buf.len() - before);
+                    let Some(whole) = self.take_frames(&mut buf, &link, limits).await else {
+                        return;
+                    };
                     partial_since = match (buf.is_empty(), whole, partial_since) {
                         (true, _, _) => None,
                         (false, false, Some(since)) => Some(since),
@@ -345,12 +387,79 @@ impl TcpIo {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => ready.clear_ready(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if self.tls.is_some() && e.kind() == io::ErrorKind::InvalidData => {
+                    let (status, reason) = tls::stream_failure(&e);
+                    if let Some(l) = link.upgrade() {
+                        tracing::warn!(link = %self.desc, "{reason}");
+                        l.close(status, &reason);
+                    }
+                    return;
+                }
                 Err(e) => {
                     self.fail(&link, &format!("read failed: {e}"));
                     return;
                 }
             }
         }
+    }
+
+    /// Hands every whole frame at the front of `buf` to the link. Returns
+    /// whether one was whole, or `None` when the reader must stop (link
+    /// gone or closed, or the stream refused).
+    async fn take_frames(
+        &self,
+        buf: &mut BytesMut,
+        link: &Weak<Link>,
+        limits: Limits,
+    ) -> Option<bool> {
+        let handshake_limits = limits.handshake();
+        let mut whole = false;
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return None;
+            }
+            let l = link.upgrade()?;
+            // The phase is judged first: before the handshake
+            // completes, a frame of any kind but Hello, Auth
+            // and Refused is refused by its header alone, and
+            // frames may be no larger than a handshake needs.
+            let up = l.is_up();
+            if !up && self.tls.is_none() && buf.first() == Some(&tls::TLS_HANDSHAKE_BYTE) {
+                l.refuse(Status::Refused, tls::TLS_TO_PLAINTEXT);
+                return None;
+            }
+            if !up {
+                if let Some(kind) = peek_kind(buf).filter(|k| {
+                    !matches!(k, FrameKind::Hello | FrameKind::Auth | FrameKind::Refused)
+                }) {
+                    l.refuse(
+                        Status::ProtocolError,
+                        &format!("{kind:?} frame before the handshake completed"),
+                    );
+                    return None;
+                }
+            }
+            drop(l);
+            let limits = if up { limits } else { handshake_limits };
+            match decode_frame(buf, &limits) {
+                Ok(Some(frame)) => {
+                    whole = true;
+                    let l = link.upgrade()?;
+                    l.on_frame(frame);
+                    if l.inbox_full() {
+                        // Stop reading until the node catches
+                        // up: the peer's sends back up to it.
+                        l.inbox_room().await;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => match link.upgrade() {
+                    Some(l) if l.on_malformed(&e, "malformed frame") => {}
+                    _ => return None,
+                },
+            }
+        }
+        Some(whole)
     }
 }
 
@@ -460,17 +569,32 @@ fn attach(
     stream: TcpStream,
     side: Side,
     expected: Option<NodeId>,
+    tls: Option<(rustls::Connection, BytesMut)>,
 ) -> io::Result<Arc<Link>> {
     stream.set_nodelay(true)?;
+    let what = if tls.is_some() { "tcp+tls" } else { "tcp" };
     let desc = match (stream.local_addr(), stream.peer_addr()) {
-        (Ok(l), Ok(p)) => format!("tcp {l} -> {p}"),
-        _ => "tcp".to_string(),
+        (Ok(l), Ok(p)) => format!("{what} {l} -> {p}"),
+        _ => what.to_string(),
     };
-    let io = TcpIo::new(stream, &ep.cfg.limits, ep.cfg.write_stall_timeout, desc)?;
+    let (conn, preread) = match tls {
+        Some((conn, preread)) => (Some(conn), preread),
+        None => (None, BytesMut::new()),
+    };
+    let io = TcpIo::new(
+        stream,
+        &ep.cfg.limits,
+        ep.cfg.write_stall_timeout,
+        desc,
+        conn,
+    )?;
     let link = Link::new(ep, side, ChannelKind::Tcp, expected);
     link.attach(io.clone());
     ep.register_link(&link);
-    ep.spawn(io.clone().reader_task(Arc::downgrade(&link), ep.cfg.limits));
+    ep.spawn(
+        io.clone()
+            .reader_task(Arc::downgrade(&link), ep.cfg.limits, preread),
+    );
     ep.spawn(io.writer_task(Arc::downgrade(&link)));
     Ok(link)
 }
@@ -535,7 +659,53 @@ async fn accept_loop(listener: TcpListener, weak: Weak<Inner>) {
             turn_away(&stream, ep.cfg.max_handshaking);
             continue;
         }
-        match attach(&ep, stream, Side::Acceptor, None) {
+        if let Some(cfg) = ep.cfg.tls.clone() {
+            // The TLS handshake runs in its own task, under the same bound
+            // and deadline as the weft handshake that follows it.
+            handshaking.fetch_add(1, Ordering::AcqRel);
+            let count = Arc::clone(&handshaking);
+            let timeout = ep.cfg.handshake_timeout;
+            let weak = Arc::downgrade(&ep);
+            ep.spawn(async move {
+                let started = tokio::time::Instant::now();
+                let peer = stream
+                    .peer_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_else(|_| "?".into());
+                match tokio::time::timeout(timeout, tls::accept(&cfg, stream)).await {
+                    Ok(Ok(tls::Established {
+                        stream,
+                        conn,
+                        preread,
+                    })) => {
+                        let attached = match weak.upgrade() {
+                            Some(ep) if !(ep.is_crashed() || ep.is_closing()) => {
+                                attach(&ep, stream, Side::Acceptor, None, Some((conn, preread)))
+                            }
+                            _ => Err(io::ErrorKind::NotConnected.into()),
+                        };
+                        match attached {
+                            Ok(link) => {
+                                let left = timeout.saturating_sub(started.elapsed());
+                                link.handshake_deadline(left).await;
+                            }
+                            Err(e) => {
+                                tracing::warn!("cannot set up an accepted connection: {e}")
+                            }
+                        }
+                    }
+                    Ok(Err(reason)) => refused(&weak, &peer, &reason),
+                    Err(_) => refused(
+                        &weak,
+                        &peer,
+                        &format!("no TLS handshake within {timeout:?}"),
+                    ),
+                }
+                count.fetch_sub(1, Ordering::AcqRel);
+            });
+            continue;
+        }
+        match attach(&ep, stream, Side::Acceptor, None, None) {
             Ok(link) => {
                 handshaking.fetch_add(1, Ordering::AcqRel);
                 let count = Arc::clone(&handshaking);
@@ -547,6 +717,15 @@ async fn accept_loop(listener: TcpListener, weak: Weak<Inner>) {
             }
             Err(e) => tracing::warn!("cannot set up an accepted connection: {e}"),
         }
+    }
+}
+
+/// Logs a connection refused before it became a link (its TLS handshake
+/// failed) and keeps it for [`crate::Endpoint::refusals`].
+fn refused(ep: &Weak<Inner>, peer: &str, reason: &str) {
+    tracing::warn!("refused a connection from {peer}: {reason}");
+    if let Some(ep) = ep.upgrade() {
+        ep.note_refusal(format!("Refused on tcp+tls from {peer}: {reason}"));
     }
 }
 
@@ -608,7 +787,26 @@ pub(crate) async fn connect(
             ))
         }
     };
-    let link = attach(ep, stream, Side::Initiator, expected).map_err(|e| {
+    let (stream, tls) = match &ep.cfg.tls {
+        None => (stream, None),
+        Some(cfg) => {
+            let connecting = tls::connect(cfg, stream, addr);
+            match tokio::time::timeout(ep.cfg.connect_timeout, connecting).await {
+                Ok(Ok(est)) => (est.stream, Some((est.conn, est.preread))),
+                Ok(Err((status, reason))) => return Err(Failure::new(status, reason)),
+                Err(_) => {
+                    return Err(Failure::new(
+                        Status::HostDead,
+                        format!(
+                            "TLS handshake with {addr} timed out after {:?}",
+                            ep.cfg.connect_timeout
+                        ),
+                    ))
+                }
+            }
+        }
+    };
+    let link = attach(ep, stream, Side::Initiator, expected, tls).map_err(|e| {
         Failure::new(
             Status::ProcDead,
             format!("cannot set up the connection to {addr}: {e}"),

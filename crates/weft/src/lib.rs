@@ -31,7 +31,7 @@ pub use weft_rpc::{
 };
 pub use weft_transport::{
     ChannelKind, ChannelSet, ClusterView, Endpoint, FaultPlan, FaultScope, InprocHub, LinkFaults,
-    MembershipEvent, NodeInfo, Seed,
+    MembershipEvent, NodeInfo, Seed, TlsConfig,
 };
 pub use weft_tx::{Outcome, Resource, TmConfig, TxManager, TxStatus, Vote};
 pub use weft_wire::{

@@ -94,6 +94,7 @@ pub struct NodeBuilder {
     join: Option<Seed>,
     data_dir: Option<PathBuf>,
     secret: Vec<u8>,
+    tls: Option<weft_transport::TlsConfig>,
     hub: Option<Arc<InprocHub>>,
     fault: Option<Arc<FaultPlan>>,
     channels: ChannelSet,
@@ -115,6 +116,7 @@ impl NodeBuilder {
             join: None,
             data_dir: None,
             secret: Vec::new(),
+            tls: None,
             hub: None,
             fault: None,
             channels: ChannelSet::default(),
@@ -153,6 +155,13 @@ impl NodeBuilder {
     /// The cluster secret.
     pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
         self.secret = secret.as_ref().to_vec();
+        self
+    }
+
+    /// Mutual TLS on this node's TCP links (see `docs/tls.md`); plaintext
+    /// TCP without it.
+    pub fn tls(mut self, tls: Option<weft_transport::TlsConfig>) -> Self {
+        self.tls = tls;
         self
     }
 
@@ -265,6 +274,7 @@ impl NodeBuilder {
         }
         let endpoint = Endpoint::start_recovering(TransportConfig {
             secret: self.secret.clone(),
+            tls: self.tls.clone(),
             listen: self.listen,
             channels: self.channels,
             hub: self.hub.clone(),

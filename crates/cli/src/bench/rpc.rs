@@ -9,6 +9,11 @@
 //! ping-pong between two processes (the floor), weft RPC to a second `weft
 //! node` process over shm, its throughput with 64 calls in flight and the
 //! CPU an idle pair uses.
+//!
+//! TLS (issue 21): a second pair of nodes whose TCP link runs inside mutual
+//! TLS (certificates made in memory), measured in rounds that alternate
+//! with the plain TCP pair so both see the same machine: 64-byte call
+//! latency, and the throughput of 1 MiB echo calls.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -35,6 +40,13 @@ pub struct RpcArgs {
     /// Skip the shared-memory phase (e.g. where memfd is unavailable).
     #[arg(long)]
     pub no_shm: bool,
+    /// 1 MiB echo calls per configuration of the bulk phase (plain TCP and
+    /// TLS).
+    #[arg(long, default_value_t = 200)]
+    pub bulk_calls: usize,
+    /// Skip the TLS phases.
+    #[arg(long)]
+    pub no_tls: bool,
     /// Round trips of the shared-memory phase (spin floor and calls; they
     /// cost about a hundredth of a TCP one, so more of them keep its p50
     /// steady). Default: ten times `--calls`.
@@ -155,6 +167,14 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
     pb.set_message("weft RPC over TCP, in a transaction");
     let rpc_tcp_tx = weft_calls(&a, &echo_b, calls, args.payload, true).await?;
     pb.finish_and_clear();
+    let tls = if args.no_tls {
+        None
+    } else {
+        let pb = progress("weft RPC over TCP inside TLS, alternating with plain TCP");
+        let figures = tls_phase(&a, calls, args.payload, args.bulk_calls.max(4)).await;
+        pb.finish_and_clear();
+        Some(figures?)
+    };
     b.shutdown().await;
     a.shutdown().await;
 
@@ -203,6 +223,14 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
     ] {
         row(name, &m.lat, m.per_s, base);
     }
+    if let Some(t) = &tls {
+        row("weft rpc tcp (beside tls)", &t.plain, t.plain_per_s, base);
+        row("weft rpc tcp + tls", &t.tls, t.tls_per_s, base);
+        println!(
+            "bulk 1 MiB echo calls: tcp {:.1} MiB/s, tcp + tls {:.1} MiB/s (each way)",
+            t.plain_bulk_mib_s, t.tls_bulk_mib_s
+        );
+    }
     if let Some(f) = &shm {
         row("shm raw spin (floor)", &f.raw_spin, f.raw_spin_per_s, base);
         row("weft rpc shm", &f.rpc, f.rpc_per_s, base);
@@ -242,6 +270,22 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         "<=",
         0.1,
     );
+    let tls_targets = tls.as_ref().map(|t| {
+        json!({
+            "rpc_tls_p50": check(
+                "rpc_tls_p50 / rpc_tcp_p50 (alternating rounds)",
+                t.tls.p50() / t.plain.p50(),
+                "<=",
+                1.15,
+            ),
+            "rpc_tls_bulk": check(
+                "tls bulk / tcp bulk (1 MiB calls)",
+                t.tls_bulk_mib_s / t.plain_bulk_mib_s,
+                ">=",
+                0.8,
+            ),
+        })
+    });
     let shm_to_spin = shm.as_ref().map_or(0.0, |f| {
         f.rpc.p50_ns() as f64 / f.raw_spin.p50_ns().max(1) as f64
     });
@@ -301,6 +345,25 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
             obj.extend(more);
         }
     }
+    if let Some(t) = &tls {
+        let extra = json!({
+            "rpc_tls_p50_us": t.tls.p50(),
+            "rpc_tls_p99_us": t.tls.p99(),
+            "rpc_tls_calls_per_s": r2(t.tls_per_s),
+            "rpc_tcp_beside_tls_p50_us": t.plain.p50(),
+            "rpc_tcp_beside_tls_p99_us": t.plain.p99(),
+            "ratio_rpc_tls_to_rpc_tcp": r2(t.tls.p50() / t.plain.p50()),
+            "bulk_payload_bytes": BULK,
+            "bulk_calls": t.bulk_calls,
+            "rpc_tcp_bulk_mib_per_s": r2(t.plain_bulk_mib_s),
+            "rpc_tls_bulk_mib_per_s": r2(t.tls_bulk_mib_s),
+            "ratio_rpc_tls_bulk_to_rpc_tcp_bulk": r2(t.tls_bulk_mib_s / t.plain_bulk_mib_s),
+            "tls_targets_met": tls_targets,
+        });
+        if let (Some(obj), serde_json::Value::Object(more)) = (report.as_object_mut(), extra) {
+            obj.extend(more);
+        }
+    }
     if let Some(path) = &args.json {
         write_json(path, &report)?;
     }
@@ -316,4 +379,116 @@ fn row(name: &str, lat: &Latency, per_s: f64, base: f64) {
         per_s,
         lat.p50() / base
     );
+}
+
+/// Payload of a bulk call.
+const BULK: usize = 1 << 20;
+
+/// Rounds each TLS figure is measured in, alternating with plain TCP.
+const TLS_ROUNDS: usize = 4;
+
+/// The TLS phase's figures, each beside the plain TCP one measured in
+/// alternation with it.
+struct TlsFigures {
+    plain: Latency,
+    plain_per_s: f64,
+    tls: Latency,
+    tls_per_s: f64,
+    bulk_calls: usize,
+    plain_bulk_mib_s: f64,
+    tls_bulk_mib_s: f64,
+}
+
+/// Starts two TLS nodes (node 1 and 2 of their own cluster, certificates
+/// made here) and measures them in rounds alternating with `plain` (node 1
+/// of a plain TCP pair whose node 2 serves `echo`).
+async fn tls_phase(
+    plain: &Node,
+    calls: usize,
+    payload: usize,
+    bulk_calls: usize,
+) -> anyhow::Result<TlsFigures> {
+    use weft_transport::certs::{ClusterCa, Validity};
+    let ca = ClusterCa::generate(Validity::days(1))?;
+    let tls_of = |node: u32| -> anyhow::Result<weft::TlsConfig> {
+        let pair = ca.issue_node(node, Validity::days(1))?;
+        Ok(weft::TlsConfig::from_pem(
+            pair.cert.as_bytes(),
+            pair.key.as_bytes(),
+            ca.cert_pem().as_bytes(),
+        )?)
+    };
+    let tcp_only = ChannelSet {
+        inproc: false,
+        shm: false,
+        tcp: true,
+    };
+    let a = Node::builder(1)
+        .listen("127.0.0.1:0".parse()?)
+        .channels(tcp_only)
+        .hub(InprocHub::new())
+        .tls(Some(tls_of(1)?))
+        .checkpoint_every(None)
+        .start()
+        .await?;
+    let b = Node::builder(2)
+        .listen("127.0.0.1:0".parse()?)
+        .channels(tcp_only)
+        .hub(InprocHub::new())
+        .tls(Some(tls_of(2)?))
+        .join(Seed::Tcp(a.addr().expect("listening")))
+        .checkpoint_every(None)
+        .start()
+        .await?;
+    let echo_b: Address = "echo@2".parse()?;
+    let mut f = TlsFigures {
+        plain: Latency::default(),
+        plain_per_s: 0.0,
+        tls: Latency::default(),
+        tls_per_s: 0.0,
+        bulk_calls,
+        plain_bulk_mib_s: 0.0,
+        tls_bulk_mib_s: 0.0,
+    };
+    let per_round = (calls / TLS_ROUNDS).max(100);
+    let (mut plain_s, mut tls_s) = (0.0, 0.0);
+    for _ in 0..TLS_ROUNDS {
+        let m = weft_calls(plain, &echo_b, per_round, payload, false).await?;
+        f.plain.merge(&m.lat);
+        plain_s += per_round as f64 / m.per_s;
+        let m = weft_calls(&a, &echo_b, per_round, payload, false).await?;
+        f.tls.merge(&m.lat);
+        tls_s += per_round as f64 / m.per_s;
+    }
+    f.plain_per_s = (per_round * TLS_ROUNDS) as f64 / plain_s;
+    f.tls_per_s = (per_round * TLS_ROUNDS) as f64 / tls_s;
+    let bulk_round = (bulk_calls / TLS_ROUNDS).max(1);
+    let (mut plain_s, mut tls_s) = (0.0, 0.0);
+    for _ in 0..TLS_ROUNDS {
+        plain_s += bulk(plain, &echo_b, bulk_round).await?;
+        tls_s += bulk(&a, &echo_b, bulk_round).await?;
+    }
+    let mib = (bulk_round * TLS_ROUNDS * BULK) as f64 / (1 << 20) as f64;
+    f.plain_bulk_mib_s = mib / plain_s;
+    f.tls_bulk_mib_s = mib / tls_s;
+    b.shutdown().await;
+    a.shutdown().await;
+    Ok(f)
+}
+
+/// Seconds `n` echo calls of [`BULK`] bytes take, one at a time.
+async fn bulk(node: &Node, to: &Address, n: usize) -> anyhow::Result<f64> {
+    let body = bytes::Bytes::from(vec![7u8; BULK]);
+    let started = Instant::now();
+    for _ in 0..n {
+        let r = node
+            .rpc()
+            .call_payload(None, to, Payload::bytes(body.clone()), None)
+            .await?;
+        anyhow::ensure!(
+            matches!(&r, Payload::Bytes(b) if b.len() == BULK) || r.is_local(),
+            "a bulk echo came back changed"
+        );
+    }
+    Ok(started.elapsed().as_secs_f64())
 }
