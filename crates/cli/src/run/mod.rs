@@ -27,7 +27,7 @@ use weft::kv::{Kv, KvConfig};
 use weft::{Node, NodeError};
 use weft_wire::{Address, Failure, ServiceName, Status, TxContext, Xid};
 
-use crate::client::{parse_duration, Client, ClientOpts};
+use crate::client::{parse_duration, Client, ClientOpts, TlsOpts};
 use capture::Capture;
 
 /// Environment variable naming the directories an enclosing `weft run`
@@ -77,6 +77,10 @@ pub struct RunArgs {
     /// (a test then kills `weft run`).
     #[arg(long, hide = true)]
     pub crash_at: Option<weft_tx::CrashPoint>,
+    /// TLS files for --node, when the cluster runs TLS (passed on to the
+    /// program's weft commands through $WEFT_TLS_CERT/KEY/CA).
+    #[command(flatten)]
+    pub tls: TlsOpts,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, required = true, num_args = 1..)]
     pub cmd: Vec<OsString>,
@@ -391,6 +395,23 @@ async fn spawn_and_wait(
         .env("WEFT_NODE", &s.node_addr)
         .env("WEFT_CLUSTER_SECRET", &s.secret)
         .kill_on_drop(true);
+    if s.embedded.is_none() {
+        for (var, path) in [
+            ("WEFT_TLS_CERT", &args.tls.tls_cert),
+            ("WEFT_TLS_KEY", &args.tls.tls_key),
+            ("WEFT_TLS_CA", &args.tls.tls_ca),
+        ] {
+            if let Some(p) = path {
+                cmd.env(var, p);
+            }
+        }
+    } else {
+        // The program's weft commands talk to the embedded node, which
+        // listens on loopback without TLS.
+        for var in ["WEFT_TLS_CERT", "WEFT_TLS_KEY", "WEFT_TLS_CA"] {
+            cmd.env_remove(var);
+        }
+    }
     if let Some(c) = capture {
         let mut dirs: Vec<PathBuf> = enclosing_overlays();
         dirs.extend(c.dirs.iter().map(|d| d.dir.clone()));
@@ -452,6 +473,7 @@ async fn connect(args: &RunArgs) -> anyhow::Result<Session> {
             node: addr.clone(),
             secret: args.secret.clone(),
             timeout: args.timeout,
+            tls: args.tls.clone(),
         };
         let client = Client::connect(&opts).await?;
         return Ok(Session {
@@ -487,6 +509,8 @@ async fn connect(args: &RunArgs) -> anyhow::Result<Session> {
         node: node_addr.clone(),
         secret: secret.clone(),
         timeout: args.timeout,
+        // The embedded node listens on loopback only, without TLS.
+        tls: TlsOpts::default(),
     };
     let client = Client::connect(&opts).await?;
     Ok(Session {
