@@ -194,6 +194,7 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         let mut bytes = 0u64;
         for rep in 0..args.reps + 1 {
             round += 1;
+            let v0 = home.master("bench").map_or(0, |s| s.version());
             let tx = a.begin();
             writer
                 .write(tx.context(), &url, |w| {
@@ -210,8 +211,9 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
                 })
                 .await?;
             tx.commit().await?;
-            let want = home.master("bench").map_or(0, |s| s.version());
-            wait_version(&home, "bench", want).await;
+            // Commit returns before the home applies phase two: wait for the
+            // new version, so the reader's lock does not wait for the writer.
+            wait_version(&home, "bench", v0 + 1).await;
             let before = reader.stats().refresh_bytes;
             let t = Instant::now();
             let tx = b.begin();
