@@ -115,12 +115,8 @@ pub async fn measure_files(
             v.create(&c, &p, true).await?;
             v.write(&c, &p, 0, data.clone()).await?;
         }
-        let ops = ms(t.elapsed());
         tx.commit().await?;
         one.push(ms(t.elapsed()));
-        if std::env::var("WEFT_BENCH_DEBUG").is_ok() {
-            eprintln!("ops {ops:.1} ms, commit {:.1} ms", ms(t.elapsed()) - ops);
-        }
         applied(&fs).await;
         one_applied.push(ms(t.elapsed()));
         // One transaction per file.
