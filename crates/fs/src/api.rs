@@ -217,6 +217,13 @@ pub enum FsOp {
         /// The directory.
         path: String,
     },
+    /// Create a symbolic link (never followed by weft).
+    Symlink {
+        /// The link's name.
+        path: String,
+        /// What it points to, as given.
+        target: String,
+    },
     /// Describe a name.
     Stat {
         /// The name.
@@ -296,6 +303,8 @@ pub struct Plan {
     pub places: Vec<Place>,
     /// Phase B: range writes applied in place.
     pub patches: Vec<Patch>,
+    /// Phase B: symbolic links made: (path, target).
+    pub links: Vec<(String, String)>,
 }
 
 /// A staged file renamed into place at commit.

@@ -227,6 +227,10 @@ impl Fs {
                 v.rmdir(xid, &path).await?;
                 FsReply::Done
             }
+            FsOp::Symlink { path, target } => {
+                v.symlink(xid, &path, &target).await?;
+                FsReply::Done
+            }
             FsOp::Stat { path, mode } => FsReply::Meta(v.stat(xid, &path, mode).await?),
             FsOp::List { path } => FsReply::Entries(v.list(xid, &path).await?),
             FsOp::Read {
@@ -594,6 +598,22 @@ impl VolumeRef {
         self.done(tx, FsOp::Rmdir { path: path.into() }).await
     }
 
+    /// Creates a symbolic link `path` -> `target` (stored as given, never
+    /// followed by weft).
+    ///
+    /// Fails with AlreadyExists, NotFound, BadPath (target), and like
+    /// [`VolumeRef::create`].
+    pub async fn symlink(&self, tx: &TxContext, path: &str, target: &str) -> Result<(), FsError> {
+        self.done(
+            tx,
+            FsOp::Symlink {
+                path: path.into(),
+                target: target.into(),
+            },
+        )
+        .await
+    }
+
     /// Describes a name (None when absent).
     ///
     /// Fails with Escape/BadPath, LockConflict, Io, Tx.
@@ -778,4 +798,40 @@ fn fill(r: &mut (dyn Read + Send), buf: &mut [u8]) -> std::io::Result<usize> {
         }
     }
     Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn volumes_are_named_and_found_by_directory() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        std::fs::create_dir(b.path().join("sub")).unwrap();
+        let cfg = FsConfig::default()
+            .volume_spec(&a.path().display().to_string())
+            .unwrap()
+            .volume_spec(&format!("named={}", b.path().display()))
+            .unwrap();
+        let fs = Fs::new(cfg).unwrap();
+        let a_name = a.path().file_name().unwrap().to_string_lossy().to_string();
+        assert!(fs.volume(&a_name).is_ok());
+        assert!(matches!(fs.volume("nope"), Err(FsError::NoSuchVolume(_))));
+        let (v, rest) = fs.volume_of(&b.path().join("sub")).unwrap();
+        assert_eq!((v.name(), rest.as_str()), ("named", "sub"));
+        let elsewhere = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            fs.volume_of(elsewhere.path()),
+            Err(FsError::NoSuchVolume(_))
+        ));
+        assert!(matches!(
+            FsConfig::default().volume_spec("=/x"),
+            Err(FsError::BadPath(_))
+        ));
+        let dup = FsConfig::default()
+            .volume("x", a.path())
+            .volume("x", b.path());
+        assert!(matches!(Fs::new(dup), Err(FsError::BadPath(_))));
+    }
 }

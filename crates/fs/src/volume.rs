@@ -103,6 +103,8 @@ impl FileNode {
 enum Node {
     Dir,
     File(FileNode),
+    /// A symbolic link made (or moved) by the transaction, to this target.
+    Link(String),
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -128,6 +130,9 @@ struct Branch {
     plan: Option<(Plan, u64)>,
     /// Commit is applying the plan.
     applying: bool,
+    /// Rebuilt from the log after a restart: staging copies of inline data
+    /// may have been lost with the machine, so commit rewrites them.
+    recovered: bool,
 }
 
 /// What a name is in a view.
@@ -138,6 +143,8 @@ enum Seen {
     File(FileNode),
     /// A committed file untouched by the transaction.
     Committed(u64),
+    /// A symbolic link made or moved by the transaction.
+    NewLink(String),
     Symlink,
     Other,
 }
@@ -303,6 +310,7 @@ impl Volume {
             match b.entries.get(p) {
                 Some(Node::Dir) => return Ok(Seen::Dir),
                 Some(Node::File(f)) => return Ok(Seen::File(f.clone())),
+                Some(Node::Link(t)) => return Ok(Seen::NewLink(t.clone())),
                 None => {}
             }
             if b.removed.contains(p) {
@@ -331,6 +339,7 @@ impl Volume {
                     state: BranchState::Active,
                     plan: None,
                     applying: false,
+                    recovered: false,
                 }))
             })
             .clone()
@@ -438,7 +447,7 @@ impl Volume {
             }),
             Seen::Absent => Err(FsError::NotFound(p.to_string())),
             Seen::Dir => Err(FsError::IsADirectory(p.to_string())),
-            Seen::Symlink | Seen::Other => {
+            Seen::Symlink | Seen::NewLink(_) | Seen::Other => {
                 Err(FsError::Unsupported(format!("{p}: not a regular file")))
             }
         }
@@ -627,7 +636,19 @@ impl Volume {
         let f = self.name_of(from)?;
         let t = self.name_of(to)?;
         if f == t {
-            return Ok(());
+            // Renaming a file onto itself changes nothing, if it exists.
+            self.lock(xid.tid, &f, Mode::Shared).await?;
+            return match self.seen(
+                self.existing_branch(xid.tid)
+                    .as_ref()
+                    .map(|b| b.lock())
+                    .as_deref(),
+                &f,
+            )? {
+                Seen::Absent => Err(FsError::NotFound(f.to_string())),
+                Seen::Dir => Err(FsError::Unsupported(format!("{f}: renaming a directory"))),
+                _ => Ok(()),
+            };
         }
         // A fixed order, so two renames of the same pair wait, not cross.
         let (a, z) = if f < t { (&f, &t) } else { (&t, &f) };
@@ -641,8 +662,8 @@ impl Volume {
                         "{f}: renaming a directory (move its files instead)"
                     )))
                 }
-                Seen::File(n) => n,
-                Seen::Committed(len) => FileNode::Patched {
+                Seen::File(n) => Node::File(n),
+                Seen::Committed(len) => Node::File(FileNode::Patched {
                     base: f.clone(),
                     base_len: len,
                     min_len: len,
@@ -650,8 +671,14 @@ impl Volume {
                     rid: None,
                     rlen: 0,
                     extents: BTreeMap::new(),
-                },
-                Seen::Symlink | Seen::Other => {
+                }),
+                Seen::NewLink(target) => Node::Link(target),
+                Seen::Symlink => {
+                    // Moved as a new link to the same target (never followed).
+                    let target = fs::read_link(v.disk(&f)?).map_err(io_err(&f))?;
+                    Node::Link(target.to_string_lossy().to_string())
+                }
+                Seen::Other => {
                     return Err(FsError::Unsupported(format!("{f}: not a regular file")))
                 }
             };
@@ -665,12 +692,35 @@ impl Volume {
             if let Some(Node::File(FileNode::Staged { id, .. })) = b.entries.remove(&t) {
                 let _ = fs::remove_file(b.stage.join(format!("n{id}")));
             }
-            if let FileNode::Patched { base, .. } = &node {
+            if let Node::File(FileNode::Patched { base, .. }) = &node {
                 if *base == t {
                     b.removed.remove(&t);
                 }
             }
-            b.entries.insert(t.clone(), Node::File(node));
+            b.entries.insert(t.clone(), node);
+            Ok(())
+        })
+    }
+
+    /// Creates the symbolic link `path` pointing to `target` (stored as
+    /// given; weft itself never follows it).
+    ///
+    /// Fails with AlreadyExists, NotFound/NotADirectory for its directory,
+    /// BadPath for an empty or NUL-holding target or one past 4 KiB, and
+    /// like [`Volume::create`].
+    pub async fn symlink(&self, xid: &Xid, path: &str, target: &str) -> Result<(), FsError> {
+        let p = self.name_of(path)?;
+        if target.is_empty() || target.contains('\0') || target.len() > crate::path::MAX_PATH {
+            return Err(FsError::BadPath(format!("{p}: bad link target {target:?}")));
+        }
+        self.lock_entry(xid.tid, &p).await?;
+        self.with_branch(xid, |v, b| {
+            v.parent_is_dir(b, &p)?;
+            if !matches!(v.seen(Some(b), &p)?, Seen::Absent) {
+                return Err(FsError::AlreadyExists(p.to_string()));
+            }
+            v.check_changes(b)?;
+            b.entries.insert(p.clone(), Node::Link(target.to_string()));
             Ok(())
         })
     }
@@ -805,6 +855,11 @@ impl Volume {
                         len: f.len(),
                         changed: true,
                     },
+                    Node::Link(t) => Meta {
+                        kind: FileKind::Symlink,
+                        len: t.len() as u64,
+                        changed: true,
+                    },
                 };
                 out.insert(k.name().to_string(), m);
             }
@@ -916,7 +971,7 @@ impl Volume {
             }
             Seen::Absent => Err(FsError::NotFound(p.to_string())),
             Seen::Dir => Err(FsError::IsADirectory(p.to_string())),
-            Seen::Symlink | Seen::Other => {
+            Seen::Symlink | Seen::NewLink(_) | Seen::Other => {
                 Err(FsError::Unsupported(format!("{p}: not a regular file")))
             }
         }
@@ -1098,6 +1153,7 @@ impl Volume {
         for (p, n) in &b.entries {
             match n {
                 Node::Dir => plan.mkdirs.push(p.as_str().to_string()),
+                Node::Link(t) => plan.links.push((p.as_str().to_string(), t.clone())),
                 Node::File(FileNode::Staged { id, len }) => {
                     let name = format!("n{id}");
                     let file = b.stage.join(&name);
@@ -1210,14 +1266,14 @@ impl Volume {
             self.inner.locks.release_all(tid);
             return;
         };
-        let (plan, stage) = {
+        let (plan, stage, recovered) = {
             let mut b = b.lock();
             if b.applying {
                 return; // a repeated commit: the first one applies
             }
             b.applying = true;
             match &b.plan {
-                Some((plan, _)) => (plan.clone(), b.stage.clone()),
+                Some((plan, _)) => (plan.clone(), b.stage.clone(), b.recovered),
                 None => {
                     // Not prepared here (one-phase end of an empty branch).
                     drop(b);
@@ -1228,7 +1284,7 @@ impl Volume {
         };
         let mut tries = 0;
         loop {
-            match apply(&self.inner.root, &stage, &plan, false, hook) {
+            match apply(&self.inner.root, &stage, &plan, recovered, hook) {
                 Ok(()) => break,
                 Err(e) if tries < 3 => {
                     tries += 1;
@@ -1371,6 +1427,7 @@ impl Volume {
         let mut b = b.lock();
         b.state = BranchState::Prepared;
         b.stage_made = true;
+        b.recovered = true;
         b.plan = Some((plan, lsn));
         Ok(())
     }
@@ -1426,6 +1483,7 @@ fn plan_paths(plan: &Plan) -> Vec<String> {
     out.extend(plan.mkdirs.iter().cloned());
     out.extend(plan.places.iter().map(|p| p.path.clone()));
     out.extend(plan.patches.iter().map(|p| p.path.clone()));
+    out.extend(plan.links.iter().map(|(p, _)| p.clone()));
     out.sort();
     out.dedup();
     out
@@ -1533,6 +1591,19 @@ fn apply(
             if let Some(h) = hook {
                 h("mid-phase-b");
             }
+        }
+    }
+    for (i, (p, target)) in plan.links.iter().enumerate() {
+        let path = at(p);
+        let staged = stage.join(format!("l{i}"));
+        let done = !staged.exists()
+            && fs::read_link(&path).is_ok_and(|t| t.as_os_str() == std::ffi::OsStr::new(target));
+        if !done {
+            if !staged.exists() {
+                std::os::unix::fs::symlink(target, &staged).map_err(io_err(p))?;
+            }
+            fs::rename(&staged, &path).map_err(io_err(p))?;
+            dirs.insert(parent_of(&path));
         }
     }
     for patch in &plan.patches {
@@ -1666,6 +1737,7 @@ fn meta_of(s: &Seen) -> Option<Meta> {
         Seen::Dir => (FileKind::Dir, 0, false),
         Seen::File(f) => (FileKind::File, f.len(), true),
         Seen::Committed(l) => (FileKind::File, *l, false),
+        Seen::NewLink(t) => (FileKind::Symlink, t.len() as u64, true),
         Seen::Symlink => (FileKind::Symlink, 0, false),
         Seen::Other => (FileKind::Other, 0, false),
     };

@@ -451,3 +451,215 @@ async fn a_committed_transaction_survives_a_restart_and_orphans_are_cleaned() {
     assert!(!s.dir.path().join("b").exists());
     no_staging_left(s.dir.path());
 }
+
+#[tokio::test]
+async fn an_aborted_sub_transaction_that_changed_files_makes_the_transaction_vote_no() {
+    let s = setup().await;
+    let tx = s.node.begin();
+    s.vol.create(tx.context(), "kept", true).await.unwrap();
+    // A sub-transaction that only read and aborted does not doom it...
+    let sub = tx.sub().unwrap();
+    let _ = s.vol.list(sub.context(), "").await.unwrap();
+    sub.abort().unwrap();
+    // ...one that changed a file and aborted does (its change cannot be
+    // undone alone yet): commit reports the abort, nothing is applied.
+    let sub = tx.sub().unwrap();
+    s.vol.create(sub.context(), "sub", true).await.unwrap();
+    sub.abort().unwrap();
+    let e = tx.commit().await.unwrap_err();
+    assert_eq!(e.status, weft::Status::Aborted, "{e}");
+    wait_applied(&s.fs).await;
+    assert!(!s.dir.path().join("kept").exists());
+    assert!(!s.dir.path().join("sub").exists());
+    // A committed sub-transaction's changes pass to its parent.
+    let tx = s.node.begin();
+    let sub = tx.sub().unwrap();
+    s.vol.create(sub.context(), "from-sub", true).await.unwrap();
+    sub.commit().unwrap();
+    tx.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    assert!(s.dir.path().join("from-sub").exists());
+}
+
+/// A real full file system (a 2 MiB tmpfs, mounted as root): staging past
+/// the space fails with NoSpace, the transaction can still end cleanly, and
+/// a commit whose growth does not fit votes No, leaving the volume intact.
+#[tokio::test]
+async fn a_full_file_system_gives_no_space_and_votes_no() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: mounting a small tmpfs needs root (CI runs as root)");
+        return;
+    }
+    let mnt = tempfile::tempdir().unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2m", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        println!("skipped: cannot mount a tmpfs here (no mount permission in this container)");
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _guard = Unmount(mnt.path().to_path_buf());
+    std::fs::write(mnt.path().join("f"), vec![1u8; 512 << 10]).unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let fs = Fs::new(
+        FsConfig {
+            limits: VolumeLimits {
+                reserve_bytes: 0,
+                ..VolumeLimits::default()
+            },
+            ..FsConfig::default()
+        }
+        .volume("v", mnt.path()),
+    )
+    .unwrap();
+    let node = Node::builder(1)
+        .data_dir(data.path())
+        .plugin(Arc::new(fs.clone()))
+        .start()
+        .await
+        .unwrap();
+    let v = fs.local("v").unwrap();
+    // Staging 4 MiB on a 2 MiB file system fails with NoSpace.
+    let tx = node.begin();
+    v.create(tx.context(), "big", true).await.unwrap();
+    let e = v
+        .write(tx.context(), "big", 0, Bytes::from(vec![2u8; 4 << 20]))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::NoSpace(_)), "{e}");
+    tx.abort("full").await.unwrap();
+    wait_applied(&fs).await;
+    // A range write whose redo fits but whose growth at commit does not:
+    // prepare votes No.
+    let tx = node.begin();
+    v.write(
+        tx.context(),
+        "f",
+        1 << 20,
+        Bytes::from(vec![3u8; 600 << 10]),
+    )
+    .await
+    .unwrap();
+    let e = tx.commit().await.unwrap_err();
+    assert_eq!(e.status, weft::Status::Aborted, "{e}");
+    wait_applied(&fs).await;
+    assert_eq!(
+        std::fs::read(mnt.path().join("f")).unwrap(),
+        vec![1u8; 512 << 10]
+    );
+    assert!(!mnt.path().join("big").exists());
+    node.shutdown().await;
+}
+
+/// The machine loses what was never forced (simulated: the staging copies
+/// of inline data are emptied) after the commit record is durable and
+/// before anything was applied: recovery applies the commit from the
+/// record's inline data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_rewrites_inline_data_lost_with_the_machine() {
+    let data = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("patched"), "0123456789").unwrap();
+    let fs = Fs::new(FsConfig::default().volume("v", dir.path())).unwrap();
+    let (tx_hit, mut rx_hit) = tokio::sync::mpsc::unbounded_channel();
+    let hook: weft_tx::CrashHook = Arc::new(move |_, tid| {
+        let _ = tx_hit.send(tid);
+    });
+    let node = Node::builder(1)
+        .data_dir(data.path())
+        .tm_config(weft::TmConfig {
+            crash_at: Some((weft_tx::CrashPoint::CoordinatorAfterCommitForce, hook)),
+            ..weft::TmConfig::default()
+        })
+        .plugin(Arc::new(fs.clone()))
+        .start()
+        .await
+        .unwrap();
+    let v = fs.local("v").unwrap();
+    let tx = node.begin();
+    let c = tx.context().clone();
+    v.create(&c, "new", true).await.unwrap();
+    v.write(&c, "new", 0, Bytes::from_static(b"inline content"))
+        .await
+        .unwrap();
+    v.write(&c, "patched", 2, Bytes::from_static(b"AB"))
+        .await
+        .unwrap();
+    let committing = tokio::spawn(async move { tx.commit().await });
+    rx_hit.recv().await.expect("the crash point is reached");
+    node.crash();
+    committing.abort();
+    // Unforced data is gone: every staging copy is empty.
+    let stage = dir.path().join(".weft-fs/stage");
+    for t in std::fs::read_dir(&stage).unwrap() {
+        for f in std::fs::read_dir(t.unwrap().path()).unwrap() {
+            std::fs::File::create(f.unwrap().path()).unwrap();
+        }
+    }
+    drop(node);
+    let s = setup_with(VolumeLimits::default(), Some(data), Some(dir)).await;
+    wait_applied(&s.fs).await;
+    assert_eq!(read(s.dir.path(), "new").unwrap(), "inline content");
+    assert_eq!(read(s.dir.path(), "patched").unwrap(), "01AB456789");
+}
+
+#[tokio::test]
+async fn symbolic_links_are_made_and_moved_never_followed() {
+    let s = setup().await;
+    std::os::unix::fs::symlink("somewhere", s.dir.path().join("old-link")).unwrap();
+    let tx = s.node.begin();
+    let c = tx.context().clone();
+    s.vol.symlink(&c, "link", "target/file").await.unwrap();
+    let e = s.vol.symlink(&c, "link", "x").await.unwrap_err();
+    assert!(matches!(e, FsError::AlreadyExists(_)), "{e}");
+    let m = s
+        .vol
+        .stat(&c, "link", ReadMode::Degree2)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(m.kind, FileKind::Symlink);
+    let e = s
+        .vol
+        .read(&c, "link", 0, 1, ReadMode::Degree2)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::Unsupported(_)), "{e}");
+    s.vol.mkdir(&c, "d").await.unwrap();
+    s.vol.rename(&c, "link", "d/link").await.unwrap();
+    s.vol.rename(&c, "old-link", "d/old-link").await.unwrap();
+    let kinds: Vec<(String, FileKind)> = s
+        .vol
+        .list(&c, "d")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.name, e.meta.kind))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("link".to_string(), FileKind::Symlink),
+            ("old-link".to_string(), FileKind::Symlink)
+        ]
+    );
+    assert!(s.dir.path().join("old-link").symlink_metadata().is_ok());
+    tx.commit().await.unwrap();
+    wait_applied(&s.fs).await;
+    let link = std::fs::read_link(s.dir.path().join("d/link")).unwrap();
+    assert_eq!(link, Path::new("target/file"));
+    let old = std::fs::read_link(s.dir.path().join("d/old-link")).unwrap();
+    assert_eq!(old, Path::new("somewhere"));
+    assert!(s.dir.path().join("old-link").symlink_metadata().is_err());
+    assert!(s.dir.path().join("link").symlink_metadata().is_err());
+}
