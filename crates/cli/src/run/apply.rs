@@ -83,6 +83,7 @@ fn plain(dir: &Path, changes: &[Change]) -> std::io::Result<()> {
             Change::Write { from, .. } => {
                 std::fs::copy(from, &p)?;
             }
+            Change::Symlink { target, .. } => std::os::unix::fs::symlink(target, &p)?,
         }
     }
     Ok(())

@@ -45,8 +45,8 @@ pub enum CaptureError {
         /// The error.
         source: io::Error,
     },
-    /// The program made something a volume cannot hold (a symlink, a
-    /// device, a fifo, a socket).
+    /// The program made something a volume cannot hold (a device, a fifo,
+    /// a socket).
     #[error("{path}: the program made a {kind}, which a weft volume cannot hold")]
     Unsupported {
         /// The path, relative to its directory.
@@ -80,6 +80,14 @@ pub enum Change {
     Clear(PathBuf),
     /// Make a directory.
     Mkdir(PathBuf),
+    /// Make a symbolic link (the name is free: a removal comes first when
+    /// it was taken).
+    Symlink {
+        /// The link.
+        path: PathBuf,
+        /// What it points to, as the program wrote it.
+        target: PathBuf,
+    },
     /// Make the file hold exactly the contents of `from` (a file in the
     /// scratch area), creating it if needed.
     Write {
@@ -97,7 +105,7 @@ impl Change {
     pub fn path(&self) -> &Path {
         match self {
             Change::Remove(p) | Change::Clear(p) | Change::Mkdir(p) => p,
-            Change::Write { path, .. } => path,
+            Change::Write { path, .. } | Change::Symlink { path, .. } => path,
         }
     }
 }
@@ -563,10 +571,14 @@ fn walk(
                     len: meta.len(),
                 },
             )?;
+        } else if ft.is_symlink() {
+            let target = std::fs::read_link(&up).map_err(|e| CaptureError::scratch(&up, e))?;
+            if below.is_some() {
+                push(out, total, Change::Remove(r.clone()))?;
+            }
+            push(out, total, Change::Symlink { path: r, target })?;
         } else {
-            let kind = if ft.is_symlink() {
-                "symbolic link"
-            } else if ft.is_fifo() {
+            let kind = if ft.is_fifo() {
                 "fifo"
             } else if ft.is_socket() {
                 "socket"
@@ -642,13 +654,36 @@ mod tests {
     }
 
     #[test]
-    fn symlinks_are_refused() {
+    fn symlinks_are_kept_and_fifos_refused() {
         let t = tempfile::tempdir().unwrap();
         let lower = t.path().join("lower");
         let upper = t.path().join("upper");
         std::fs::create_dir_all(&lower).unwrap();
         std::fs::create_dir_all(&upper).unwrap();
-        std::os::unix::fs::symlink("/etc/passwd", upper.join("l")).unwrap();
+        std::fs::write(lower.join("taken"), b"x").unwrap();
+        std::os::unix::fs::symlink("b", upper.join("l")).unwrap();
+        std::os::unix::fs::symlink("c", upper.join("taken")).unwrap();
+        let mut out = Vec::new();
+        walk(&upper, &lower, Path::new(""), &mut out, &mut 0).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                Change::Symlink {
+                    path: "l".into(),
+                    target: "b".into()
+                },
+                Change::Remove("taken".into()),
+                Change::Symlink {
+                    path: "taken".into(),
+                    target: "c".into()
+                },
+            ]
+        );
+        let status = std::process::Command::new("mkfifo")
+            .arg(upper.join("f"))
+            .status()
+            .unwrap();
+        assert!(status.success());
         let err = walk(&upper, &lower, Path::new(""), &mut Vec::new(), &mut 0).unwrap_err();
         assert!(matches!(err, CaptureError::Unsupported { .. }), "{err}");
     }

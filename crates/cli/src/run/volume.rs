@@ -151,6 +151,10 @@ impl Vol<'_> {
                     v.mkdir(ctx, &path).await?;
                     FsReply::Done
                 }
+                FsOp::Symlink { path, target } => {
+                    v.symlink(ctx, &path, &target).await?;
+                    FsReply::Done
+                }
                 other => {
                     return Err(Failure::new(
                         Status::Internal,
@@ -363,6 +367,23 @@ pub async fn apply(
                 Err(f) if f.detail.contains("already exists") => {}
                 Err(f) => return Err(f),
             },
+            Change::Symlink { path, target } => {
+                let target = target.to_str().ok_or_else(|| {
+                    Failure::new(
+                        Status::BadRequest,
+                        format!("{}: a link target must be UTF-8", path.display()),
+                    )
+                })?;
+                v.call(
+                    ctx,
+                    FsOp::Symlink {
+                        path: place.path(path)?,
+                        target: target.to_string(),
+                    },
+                )
+                .await?;
+                check(path)?;
+            }
             Change::Write { .. } => {}
         }
     }
