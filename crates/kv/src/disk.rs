@@ -272,6 +272,9 @@ pub struct DiskStore {
     dirty: Overlay,
     dirty_bytes: usize,
     opts: DiskOptions,
+    /// Keys committed in `base` and the deltas, for `(merged, delta
+    /// numbers)`: recounted only when the deltas change, not per call.
+    layers_count: parking_lot::Mutex<Option<(u64, Vec<u64>, i64)>>,
 }
 
 impl fmt::Debug for DiskStore {
@@ -557,6 +560,7 @@ impl DiskStore {
             dirty: Overlay::new(),
             dirty_bytes: 0,
             opts,
+            layers_count: parking_lot::Mutex::new(None),
         };
         store.count_delta_entries()?;
         Ok(Opened {
@@ -596,6 +600,11 @@ impl DiskStore {
         if let Some(v) = self.flushing.as_ref().and_then(|f| f.get(key)) {
             return Ok(v.clone());
         }
+        self.get_below_overlay(key)
+    }
+
+    /// The value at `key` in the deltas and the merged table.
+    fn get_below_overlay(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
         for (_, t) in self.deltas.iter().rev() {
             let got = t
                 .get(key.as_ref())
@@ -665,27 +674,53 @@ impl DiskStore {
         Ok(layers)
     }
 
-    /// Number of committed keys: the merged table's count, corrected by one
-    /// lookup in it per key changed since the last merge.
+    /// Number of committed keys. The count of the merged table and the
+    /// deltas is kept from one call to the next while they do not change
+    /// (one lookup in the merged table per delta entry when they did); the
+    /// overlay costs one lookup per key it holds.
     ///
     /// Fails with [`DiskError`] when the engine cannot read.
     pub fn key_count(&self) -> Result<u64, DiskError> {
-        let main_err = engine_error(&self.main_path);
-        let mut n = self.base.len().map_err(|e| main_err(e.into()))? as i64;
+        let seqs: Vec<u64> = self.deltas.iter().map(|(s, _)| *s).collect();
+        let cached = self
+            .layers_count
+            .lock()
+            .as_ref()
+            .filter(|(m, s, _)| *m == self.merged && *s == seqs)
+            .map(|(_, _, n)| *n);
+        let below = match cached {
+            Some(n) => n,
+            None => {
+                let main_err = engine_error(&self.main_path);
+                let mut n = self.base.len().map_err(|e| main_err(e.into()))? as i64;
+                let mut layers: Vec<Box<dyn Iterator<Item = Entry> + '_>> = Vec::new();
+                for (_, t) in self.deltas.iter().rev() {
+                    layers.push(walk(t, &Bytes::new(), true, &self.path)?);
+                }
+                merge_walk(layers, &Bytes::new(), |k, v| {
+                    let in_base = self
+                        .base
+                        .get(k.as_ref())
+                        .map_err(|e| main_err(e.into()))?
+                        .is_some();
+                    n += i64::from(v.is_some()) - i64::from(in_base);
+                    Ok(true)
+                })?;
+                *self.layers_count.lock() = Some((self.merged, seqs, n));
+                n
+            }
+        };
+        let mut n = below;
         let empty = Overlay::new();
-        merge_walk(
-            self.changed_layers(&Bytes::new(), &empty)?,
-            &Bytes::new(),
-            |k, v| {
-                let in_base = self
-                    .base
-                    .get(k.as_ref())
-                    .map_err(|e| main_err(e.into()))?
-                    .is_some();
-                n += i64::from(v.is_some()) - i64::from(in_base);
-                Ok(true)
-            },
-        )?;
+        let overlays = vec![
+            overlay_walk(&self.dirty, &Bytes::new()),
+            overlay_walk(self.flushing.as_deref().unwrap_or(&empty), &Bytes::new()),
+        ];
+        merge_walk(overlays, &Bytes::new(), |k, v| {
+            let below = self.get_below_overlay(k)?.is_some();
+            n += i64::from(v.is_some()) - i64::from(below);
+            Ok(true)
+        })?;
         Ok(n.max(0) as u64)
     }
 
