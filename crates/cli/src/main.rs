@@ -19,8 +19,8 @@ mod run;
 mod sim_cmd;
 mod state_cmd;
 mod status_cmd;
-mod top_cmd;
 mod tls_cmd;
+mod top_cmd;
 mod tx_cmd;
 
 use clap::{Parser, Subcommand};

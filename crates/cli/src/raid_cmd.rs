@@ -25,6 +25,8 @@ use crate::node_cmd::{announce, wait_for_signal, NodeArgs};
 use crate::raid_acks::Acks;
 
 /// `weft raid` subcommands.
+// Parsed once per process: the size of `Site`'s node flags costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(clap::Subcommand, Debug)]
 pub enum RaidCmd {
     /// Run a Raid site (a weft node with the Raid servers) until SIGINT/SIGTERM.
