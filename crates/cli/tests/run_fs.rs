@@ -539,3 +539,30 @@ fn runs_under_a_shell_transaction_commit_with_it_at_a_node_serving_the_volume() 
         "{after:?}"
     );
 }
+
+#[test]
+fn a_run_finds_a_volume_its_node_serves_under_another_name() {
+    if !can_mount("a_run_finds_a_volume_its_node_serves_under_another_name") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let v = volume(t.path());
+    let vs = v.display().to_string();
+    let named = format!("docs={vs}");
+    let n = NodeProc::start(
+        1,
+        &["--volume", &named, "--data-dir", &data_dir(t.path(), 1)],
+    );
+    let env = [("WEFT_NODE", n.addr.as_str())];
+    let (code, _, err) = wrun_in(
+        &v,
+        &["run", "--fs", &vs, "--", "sh", "-c", "echo 1 > one"],
+        &env,
+    );
+    assert_eq!(code, 0, "{err}");
+    let after = eventually("the commit applied", Duration::from_secs(10), || {
+        let t = tree(&v);
+        t.contains_key("one").then_some(t)
+    });
+    assert_eq!(after.get("one"), Some(&Some("1\n".to_string())));
+}

@@ -179,6 +179,25 @@ fn io_err(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> FsErro
     move |e| FsError::io(what, &e)
 }
 
+/// The file in the reserved directory that holds the name the volume is
+/// served under, so a program given only a directory (`weft run --fs DIR`)
+/// can find which volume holds it.
+pub const NAME_FILE: &str = "name";
+
+/// Records `name` in `root/.weft-fs/name` when it differs (written to a
+/// temporary file and renamed over, so a reader sees the old or the new
+/// name whole). Advisory: not forced, since nothing transactional depends on
+/// it; a name lost at a power loss is written again at the next open.
+fn record_name(root: &Path, name: &str) -> Result<(), FsError> {
+    let path = root.join(RESERVED).join(NAME_FILE);
+    if fs::read_to_string(&path).ok().as_deref() == Some(name) {
+        return Ok(());
+    }
+    let tmp = root.join(RESERVED).join(".name.tmp");
+    fs::write(&tmp, name).map_err(io_err(tmp.display()))?;
+    fs::rename(&tmp, &path).map_err(io_err(path.display()))
+}
+
 impl Volume {
     /// Opens the directory `dir` as volume `name` (creating its reserved
     /// `.weft-fs/stage` area). Staging directories left by a crash are
@@ -193,6 +212,7 @@ impl Volume {
         }
         let stage_root = root.join(RESERVED).join("stage");
         fs::create_dir_all(&stage_root).map_err(io_err(stage_root.display()))?;
+        record_name(&root, name)?;
         Ok(Volume {
             inner: Arc::new(VolInner {
                 name: name.to_string(),

@@ -67,20 +67,30 @@ pub fn volume_root(dir: &Path) -> PathBuf {
         .to_path_buf()
 }
 
-/// Where `dir` (canonical) is: the volume named after its root, and the
+/// Where `dir` (canonical) is: the volume holding it (the name its node
+/// recorded, else its root's name), and the
 /// path under the root.
 pub fn place_of(dir: &Path) -> Result<Place, Failure> {
     let root = volume_root(dir);
-    let volume = root
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| {
-            Failure::new(
-                Status::BadRequest,
-                format!("{}: cannot name a volume after it", root.display()),
-            )
-        })?
-        .to_string();
+    // The name the serving node recorded (`--volume NAME=DIR`), else the
+    // root's own name (how an embedded node names it).
+    let recorded = std::fs::read_to_string(root.join(RESERVED).join(weft_fs::volume::NAME_FILE))
+        .ok()
+        .map(|n| n.trim().to_string())
+        .filter(|n| !n.is_empty());
+    let volume = match recorded {
+        Some(n) => n,
+        None => root
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| {
+                Failure::new(
+                    Status::BadRequest,
+                    format!("{}: cannot name a volume after it", root.display()),
+                )
+            })?
+            .to_string(),
+    };
     let prefix = dir
         .strip_prefix(&root)
         .ok()
