@@ -402,7 +402,9 @@ async fn spawn_and_wait(
             ("WEFT_TLS_CA", &args.tls.tls_ca),
         ] {
             if let Some(p) = path {
-                cmd.env(var, p);
+                // Absolute, so a program that changes directory (into its
+                // --fs directory, say) still finds the files.
+                cmd.env(var, std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()));
             }
         }
     } else {
