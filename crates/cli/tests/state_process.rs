@@ -152,6 +152,11 @@ fn crash_home_at(point: &str) -> (Option<i64>, Option<i64>) {
     p.kill(1);
     p.launch(1, Some(point));
     p.wait_alive();
+    // The seeds' branch at the home may be in doubt after the kill (the
+    // client was answered once the coordinator's decision was durable); an
+    // unlocked `state cat` shows the master as applied, so wait until the
+    // restarted home has resolved it.
+    p.settled();
     assert_eq!(
         (p.value("a"), p.value("b")),
         (Some(10), Some(10)),
