@@ -147,6 +147,28 @@ impl Fs {
         self.inner.volumes.values()
     }
 
+    /// Waits until `done(self)` holds, checking it again each time a branch
+    /// ends on one of the volumes ([`Volume::ended_branches`]); a state
+    /// reached only by branches ending (commits applied, locks released,
+    /// staging removed) is seen as soon as it is reached. Returns at once
+    /// when the store has no volume. Never fails; bound it with a timeout
+    /// where the state might never come.
+    pub async fn wait_until(&self, done: impl Fn(&Fs) -> bool) {
+        let mut ended: Vec<_> = self.volumes().map(Volume::ended_branches).collect();
+        loop {
+            for rx in &mut ended {
+                rx.borrow_and_update();
+            }
+            if done(self) || ended.is_empty() {
+                return; // done, or no volume whose branches could change it
+            }
+            let changes = ended.iter_mut().map(|rx| Box::pin(rx.changed()));
+            // The senders live in the volumes `self` holds, so a change is
+            // the only way this returns.
+            let _ = futures::future::select_all(changes).await;
+        }
+    }
+
     /// The volume whose root holds `dir` (a directory given to `weft run
     /// --fs DIR`) and `dir`'s path inside it.
     ///

@@ -173,6 +173,10 @@ struct VolInner {
     limits: VolumeLimits,
     locks: Locks,
     branches: Mutex<HashMap<Tid, Arc<Mutex<Branch>>>>,
+    /// Bumped each time a branch ends here (aborted, or committed and its
+    /// apply finished or given up), so a waiter can watch for the state it
+    /// needs instead of polling ([`Volume::ended_branches`]).
+    ended: tokio::sync::watch::Sender<u64>,
 }
 
 fn io_err(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> FsError {
@@ -221,8 +225,23 @@ impl Volume {
                 locks: Locks::new(limits.max_locked, limits.max_lock_waiters),
                 limits,
                 branches: Mutex::new(HashMap::new()),
+                ended: tokio::sync::watch::Sender::new(0),
             }),
         })
+    }
+
+    /// A receiver that changes each time a branch ends here: aborted
+    /// (locks released, staging removed) or committed (applied, locks
+    /// released, staging removed once the Applied record is durable; or
+    /// left for recovery when applying kept failing). Read the state you
+    /// wait for ([`Volume::stats`]) after marking the receiver seen, then
+    /// await its next change.
+    pub fn ended_branches(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.ended.subscribe()
+    }
+
+    fn branch_ended(&self) {
+        self.inner.ended.send_modify(|n| *n += 1);
     }
 
     /// The volume's name.
@@ -1313,6 +1332,7 @@ impl Volume {
                 }
                 Err(e) => {
                     tracing::error!(%tid, volume = %self.inner.name, error = %e, "fs: cannot apply a committed transaction; the next start retries it");
+                    self.branch_ended();
                     return;
                 }
             }
@@ -1320,6 +1340,7 @@ impl Volume {
         self.inner.branches.lock().remove(&tid);
         self.inner.locks.release_all(tid);
         self.applied(tid, &stage, log);
+        self.branch_ended();
     }
 
     /// Records that `tid`'s plan is wholly applied here and, once that is
@@ -1363,6 +1384,7 @@ impl Volume {
             }
         }
         self.inner.locks.release_all(tid);
+        self.branch_ended();
     }
 
     /// A sub-transaction ended; an aborted one that changed files here

@@ -114,11 +114,10 @@ async fn rewrite_in_place(len: u64) {
     assert_eq!(head[0], byte(4096 * 3, 9));
     verify(&path, len, 0);
     tx.commit().await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(3600);
-    while fs.volumes().any(|v| v.stats().prepared > 0) {
-        assert!(std::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let applied = fs.wait_until(|fs| !fs.volumes().any(|v| v.stats().prepared > 0));
+    tokio::time::timeout(Duration::from_secs(3600), applied)
+        .await
+        .expect("the rewrite was never applied");
     verify(&path, len, 9);
     // Rewritten in place: the same inode, not a copy renamed over it.
     assert_eq!(

@@ -197,16 +197,15 @@ async fn run_case(ops: Vec<Op>, commit: bool) -> Result<(), TestCaseError> {
     } else {
         tx.abort("model").await.unwrap();
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let staging = || {
         std::fs::read_dir(dir.path().join(".weft-fs/stage"))
             .map(|mut d| d.next().is_some())
             .unwrap_or(false)
     };
-    while fs.volumes().any(|v| v.stats().prepared > 0) || staging() {
-        assert!(std::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    let ended = fs.wait_until(|fs| !(fs.volumes().any(|v| v.stats().prepared > 0) || staging()));
+    tokio::time::timeout(Duration::from_secs(60), ended)
+        .await
+        .expect("the transaction never ended on the volume");
     let want = if commit { model } else { initial };
     prop_assert_eq!(on_disk(dir.path()), want);
     node.shutdown().await;
