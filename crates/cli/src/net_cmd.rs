@@ -15,7 +15,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use weft::{Failure, Node, NodeId, Seed, Transaction};
 use weft_net::sma::TxStream;
-use weft_net::tca::proxy::{NetProxy, ProxyConfig};
+use weft_net::tca::proxy::{NetProxy, ProxyConfig, Undeliverable};
 use weft_net::tca::server::ProxiedStream;
 use weft_net::tca::{ConnInfo, NetRequest, NetResponse};
 use weft_net::tla::logger::{TlaLogger, TlaLoggerConfig, TunSpec};
@@ -238,25 +238,31 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         );
         // After the ready line: what a previous run prepared and never
         // released (its peer connection ended with that run).
-        for u in proxy.undeliverable() {
-            let _ = writeln!(
-                out,
-                "UNDELIVERABLE {} {} bytes for {} ({})",
-                u.tid,
-                u.bytes,
-                u.conn,
-                if u.committed {
-                    "committed"
-                } else {
-                    "in doubt at restart"
-                }
-            );
-        }
+        print_undeliverable(&mut out, &proxy.undeliverable());
         let _ = out.flush();
     }
     node_cmd::wait_for_signal().await;
     node.shutdown().await;
     Ok(())
+}
+
+/// Prints, after a logger's ready line, the held output a previous run
+/// prepared and never released (its peer connection ended with that run).
+fn print_undeliverable(out: &mut impl Write, items: &[Undeliverable]) {
+    for u in items {
+        let _ = writeln!(
+            out,
+            "UNDELIVERABLE {} {} bytes for {} ({})",
+            u.tid,
+            u.bytes,
+            u.conn,
+            if u.committed {
+                "committed"
+            } else {
+                "in doubt at restart"
+            }
+        );
+    }
 }
 
 async fn tla(a: TlaArgs) -> anyhow::Result<()> {
@@ -300,20 +306,7 @@ async fn tla(a: TlaArgs) -> anyhow::Result<()> {
             a.peer_tun,
             a.server_tun
         );
-        for u in logger.undeliverable() {
-            let _ = writeln!(
-                out,
-                "UNDELIVERABLE {} {} bytes for {} ({})",
-                u.tid,
-                u.bytes,
-                u.conn,
-                if u.committed {
-                    "committed"
-                } else {
-                    "in doubt at restart"
-                }
-            );
-        }
+        print_undeliverable(&mut out, &logger.undeliverable());
         let _ = out.flush();
     }
     node_cmd::wait_for_signal().await;
