@@ -33,6 +33,8 @@ pub(crate) struct Flusher {
     sync_attempts: u64,
     /// Records appended when the last sync's batch was taken.
     synced_records: u64,
+    /// Duration of the last fdatasync, not yet reported to the group-commit rule.
+    last_sync: Option<std::time::Duration>,
 }
 
 impl Flusher {
@@ -50,6 +52,7 @@ impl Flusher {
             unsynced: false,
             sync_attempts: 0,
             synced_records: 0,
+            last_sync: None,
         };
         std::thread::Builder::new()
             .name("weft-log-flusher".to_string())
@@ -74,6 +77,9 @@ impl Flusher {
                     // Every record appended so far is in this batch or an earlier one.
                     let appended = st.appended;
                     let result = MutexGuard::unlocked(&mut st, || self.write(&batch.chunks, sync));
+                    if let Some(took) = self.last_sync.take() {
+                        st.note_sync(took);
+                    }
                     for chunk in batch.chunks.drain(..) {
                         st.recycle(chunk.bytes);
                     }
@@ -185,6 +191,7 @@ impl Flusher {
         })?;
         let counters = &self.shared.counters;
         let took = started.elapsed();
+        self.last_sync = Some(took);
         add(&counters.syncs, 1);
         add(&counters.sync_micros, took.as_micros() as u64);
         metrics::counter!("weft_log_forces_total").increment(1);

@@ -10,8 +10,11 @@
 //! - [`Log::force`] / [`Log::force_blocking`] make every record up to an LSN durable.
 //!   Concurrent forces share one fdatasync (group commit): a dedicated flusher thread syncs
 //!   everything buffered when a sync starts, and records arriving during that sync go into
-//!   the next one. [`Log::intent`] lets a committer announce an imminent force so the flusher
-//!   waits (at most `group_commit_max_delay`) for it to join the same sync.
+//!   the next one. A device that is idle syncs at once; while committers that the last sync
+//!   released are expected back, the flusher waits for them (at most about two syncs), so a
+//!   closed loop of N committers shares one sync and no committer waits for company that is
+//!   not coming. [`Log::intent`] lets a committer announce an imminent force so the flusher
+//!   waits (as long, at most) for it to join the same sync.
 //! - [`Log::when_durable`] waits without asking for a sync (lazy durability); the log syncs on
 //!   its own after `lazy_flush_interval`.
 //! - [`Log::open`] recovers: every record is validated (magic, length, CRC32C, LSN equals
