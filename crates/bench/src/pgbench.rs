@@ -1,9 +1,12 @@
-//! The stock `pgbench` TPC-B-like run, as a baseline for weft's DebitCredit.
+//! `pgbench`'s TPC-B-like run, as a baseline for weft's DebitCredit: the stock script (seven
+//! client round trips a transaction) or the same transaction as one PL/pgSQL function call
+//! (one round trip, what a PostgreSQL engineer would deploy against weft's one-call
+//! transactions).
 //!
 //! Owns: the `weft_pgbench` database on the server it is given (re-initialised by
-//! `pgbench -i` on every run), the two `pgbench` processes of a run, and the parsing of
-//! pgbench's summary (PostgreSQL 15's format, and the older "excluding connections
-//! establishing" one).
+//! `pgbench -i` on every run), the `weft_tpcb` function and the custom script that calls it,
+//! the two `pgbench` processes of a run, and the parsing of pgbench's summary (PostgreSQL 15's
+//! format, and the older "excluding connections establishing" one).
 //!
 //! Must never: run against a server with fsync off, or leave a `pgbench` process behind — the
 //! processes are killed if the future running them is dropped.
@@ -45,6 +48,46 @@ impl QueryMode {
     }
 }
 
+/// Which transaction script pgbench runs.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Script {
+    /// pgbench's built-in `tpcb-like`: three updates, a select and an insert, each its own
+    /// round trip, inside `BEGIN`/`END`.
+    #[default]
+    Stock,
+    /// The same five statements in the PL/pgSQL function [`FUNCTION_SQL`], called by one
+    /// `SELECT` (one round trip, one transaction).
+    Function,
+}
+
+/// The TPC-B transaction as a server-side function: the account, teller and branch updates,
+/// the history row, and the account's new balance returned (the stock script's `SELECT`).
+pub const FUNCTION_SQL: &str = "\
+CREATE OR REPLACE FUNCTION weft_tpcb(p_aid int, p_bid int, p_tid int, p_delta int)
+RETURNS int LANGUAGE plpgsql AS $$
+DECLARE
+    balance int;
+BEGIN
+    UPDATE pgbench_accounts SET abalance = abalance + p_delta WHERE aid = p_aid
+        RETURNING abalance INTO balance;
+    UPDATE pgbench_tellers SET tbalance = tbalance + p_delta WHERE tid = p_tid;
+    UPDATE pgbench_branches SET bbalance = bbalance + p_delta WHERE bid = p_bid;
+    INSERT INTO pgbench_history (tid, bid, aid, delta, mtime)
+        VALUES (p_tid, p_bid, p_aid, p_delta, CURRENT_TIMESTAMP);
+    RETURN balance;
+END
+$$";
+
+/// The pgbench script that calls [`FUNCTION_SQL`] with the stock script's random choices.
+pub const FUNCTION_SCRIPT: &str = "\
+\\set aid random(1, 100000 * :scale)
+\\set bid random(1, 1 * :scale)
+\\set tid random(1, 10 * :scale)
+\\set delta random(-5000, 5000)
+SELECT weft_tpcb(:aid, :bid, :tid, :delta);
+";
+
 /// Parameters of a [`run_with`].
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct PgbenchOptions {
@@ -61,6 +104,9 @@ pub struct PgbenchOptions {
     /// Connect through the Unix socket instead of TCP to 127.0.0.1 (the default, which is how
     /// [`crate::pg2pc`] connects, so the two baselines pay the same transport).
     pub unix_socket: bool,
+    /// The stock script or the one-call function.
+    #[serde(default)]
+    pub script: Script,
 }
 
 impl PgbenchOptions {
@@ -73,7 +119,14 @@ impl PgbenchOptions {
             duration,
             query_mode: QueryMode::Prepared,
             unix_socket: false,
+            script: Script::Stock,
         }
+    }
+
+    /// The same run with `script`.
+    pub fn script(mut self, script: Script) -> Self {
+        self.script = script;
+        self
     }
 
     fn threads(&self) -> u32 {
@@ -98,6 +151,9 @@ pub struct PgbenchReport {
     pub duration_secs: u64,
     /// `-M` mode.
     pub query_mode: QueryMode,
+    /// Which script ran.
+    #[serde(default)]
+    pub script: Script,
     /// Transactions pgbench completed ("number of transactions actually processed").
     pub transactions: u64,
     /// Failed transactions, when pgbench reports them (PostgreSQL 15 and later).
@@ -157,7 +213,7 @@ pub async fn run_with(
     let clients = options.clients.to_string();
     let threads = options.threads().to_string();
     let seconds = options.seconds().to_string();
-    let args = [
+    let mut args: Vec<String> = [
         "-c",
         &clients,
         "-j",
@@ -166,7 +222,16 @@ pub async fn run_with(
         &seconds,
         "-M",
         options.query_mode.as_arg(),
-    ];
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    if options.script == Script::Function {
+        let script = install_function(server).await?;
+        // A custom script's :scale is 1 unless given (pgbench reads it from the tables only
+        // for its built-in scripts).
+        args.extend(["-s".to_owned(), scale.clone(), "-f".to_owned(), script]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = pgbench(server, options, &args, "run").await?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let summary = parse_summary(&stdout).map_err(|reason| BenchError::PgbenchOutput {
@@ -180,6 +245,7 @@ pub async fn run_with(
         threads: options.threads(),
         duration_secs: options.seconds(),
         query_mode: options.query_mode,
+        script: options.script,
         transactions: summary.transactions,
         failed_transactions: summary.failed_transactions,
         tps: summary.tps,
@@ -188,6 +254,29 @@ pub async fn run_with(
         fsync: true,
         pgbench_version: summary.version,
     })
+}
+
+/// Creates [`FUNCTION_SQL`] in [`DATABASE`] and writes [`FUNCTION_SCRIPT`] into the server's
+/// temporary directory (readable by the OS user pgbench runs as); returns the script's path.
+async fn install_function(server: &TempPostgres) -> Result<String, BenchError> {
+    let db = weft_pg::client::connect(server, DATABASE)
+        .await
+        .map_err(|source| BenchError::Sql {
+            context: "connecting",
+            source,
+        })?;
+    db.batch_execute(FUNCTION_SQL)
+        .await
+        .map_err(|source| BenchError::Sql {
+            context: "creating the weft_tpcb function",
+            source,
+        })?;
+    let path = server.socket_dir().join("weft_tpcb.sql");
+    std::fs::write(&path, FUNCTION_SCRIPT).map_err(|source| BenchError::Io {
+        context: format!("writing {}", path.display()),
+        source,
+    })?;
+    Ok(path.to_string_lossy().into_owned())
 }
 
 fn validate(server: &TempPostgres, options: &PgbenchOptions) -> Result<(), BenchError> {
@@ -412,6 +501,7 @@ tps = 1001.250000 (excluding connections establishing)
             threads: 2,
             duration_secs: 10,
             query_mode: QueryMode::Prepared,
+            script: Script::Function,
             transactions: 23411,
             failed_transactions: Some(0),
             tps: 2342.4,
@@ -422,6 +512,7 @@ tps = 1001.250000 (excluding connections establishing)
         };
         let json = serde_json::to_string(&report).unwrap();
         assert!(json.contains("\"query_mode\":\"prepared\""), "{json}");
+        assert!(json.contains("\"script\":\"function\""), "{json}");
         assert_eq!(
             serde_json::from_str::<PgbenchReport>(&json).unwrap(),
             report

@@ -88,6 +88,43 @@ async fn pgbench_smoke_run() {
     assert_eq!(back, report);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_function_script_runs_the_whole_tpcb_transaction_in_one_call() {
+    let server = start();
+    let options = pgbench::PgbenchOptions::new(1, 2, Duration::from_secs(2))
+        .script(pgbench::Script::Function);
+    let report = pgbench::run_with(&server, &options)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(report.script, pgbench::Script::Function);
+    assert!(report.transactions > 0, "{report:?}");
+    assert_eq!(report.failed_transactions, Some(0));
+    // Every call made all four changes: one history row each, and the deltas add up on the
+    // accounts, the tellers and the branches alike (TPC-B's consistency condition).
+    let db = weft_pg::client::connect(&server, pgbench::DATABASE)
+        .await
+        .unwrap();
+    let row = db
+        .query_one(
+            "SELECT (SELECT count(*) FROM pgbench_history), \
+                    (SELECT coalesce(sum(delta), 0) FROM pgbench_history), \
+                    (SELECT sum(abalance) FROM pgbench_accounts), \
+                    (SELECT sum(tbalance) FROM pgbench_tellers), \
+                    (SELECT sum(bbalance) FROM pgbench_branches)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let history: i64 = row.get(0);
+    let deltas: i64 = row.get(1);
+    let (accounts, tellers, branches): (i64, i64, i64) = (row.get(2), row.get(3), row.get(4));
+    assert!(
+        history as u64 >= report.transactions,
+        "{history} rows for {report:?}"
+    );
+    assert_eq!((accounts, tellers, branches), (deltas, deltas, deltas));
+}
+
 #[tokio::test]
 async fn baselines_refuse_a_server_without_fsync() {
     let server = TempPostgres::start(ServerOptions::default().fsync(false).shared_buffers_mb(32))

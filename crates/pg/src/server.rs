@@ -1,9 +1,10 @@
 //! A temporary PostgreSQL server for tests and benchmarks.
 //!
 //! Owns: finding the PostgreSQL binaries, a temporary directory holding a fresh cluster
-//! (`initdb`), the server's settings, and the postmaster's life — start, fast stop, `kill -9`
-//! crash, restart from the same data directory — plus running PostgreSQL's own programs
-//! (`pgbench`, `psql`) against it as the right OS user.
+//! (`initdb`) or a streaming standby of another temporary server (`pg_basebackup`), the
+//! server's settings, and the postmaster's life — start, fast stop, `kill -9` crash, restart
+//! from the same data directory — plus running PostgreSQL's own programs (`pgbench`, `psql`)
+//! against it as the right OS user.
 //!
 //! Must never: touch a cluster or data directory it did not create, signal a process it did not
 //! spawn, run a PostgreSQL program as root, or leave a server running once its
@@ -85,6 +86,14 @@ pub enum ServerError {
         /// initdb's exit status.
         status: ExitStatus,
         /// initdb's stdout and stderr.
+        output: String,
+    },
+    /// `pg_basebackup` of a primary, for a standby, exited unsuccessfully.
+    #[error("pg_basebackup failed ({status}):\n{output}")]
+    Basebackup {
+        /// pg_basebackup's exit status.
+        status: ExitStatus,
+        /// pg_basebackup's stdout and stderr.
         output: String,
     },
     /// The server did not come up; the log tail usually says why.
@@ -315,7 +324,142 @@ impl TempPostgres {
         options.validate()?;
         let bin_dir = install::find_bin_dir(options.bin_dir.as_deref())?;
         let run_as = install::server_user()?;
+        let mut server = TempPostgres::create_root(bin_dir, run_as, options)?;
+        server.initdb()?;
+        server.launch(None)?;
+        Ok(server)
+    }
 
+    /// Starts a streaming-replication standby of `primary` in a new temporary directory: a
+    /// `pg_basebackup` of the running primary (WAL streamed during the copy), then a server
+    /// in standby mode that connects back to it as `application_name`, the name the primary's
+    /// `synchronous_standby_names` refers to. The standby's own settings are `options` (its
+    /// `fsync` as given) plus `primary_conninfo`; the primary needs nothing beyond the
+    /// defaults (`wal_level = replica`, trusted local replication connections).
+    ///
+    /// # Errors
+    /// [`ServerError::InvalidOption`] for an `application_name` that is empty, longer than 63
+    /// bytes or not made of ASCII letters, digits and `_`; [`ServerError::NotRunning`] if the
+    /// primary is down; [`ServerError::Basebackup`] (with its output) if the copy fails;
+    /// otherwise as [`TempPostgres::start`].
+    pub fn start_standby(
+        primary: &TempPostgres,
+        application_name: &str,
+        options: ServerOptions,
+    ) -> Result<TempPostgres, ServerError> {
+        let name_ok = !application_name.is_empty()
+            && application_name.len() <= MAX_IDENTIFIER_BYTES
+            && application_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !name_ok {
+            return Err(ServerError::InvalidOption(format!(
+                "standby name {application_name:?} must be 1..={MAX_IDENTIFIER_BYTES} ASCII letters, digits or _"
+            )));
+        }
+        if !primary.is_running() {
+            return Err(ServerError::NotRunning);
+        }
+        let conninfo = format!(
+            "host={HOST} port={} user={SUPERUSER} application_name={application_name}",
+            primary.port
+        );
+        let options = options.setting("primary_conninfo", conninfo);
+        options.validate()?;
+        let mut server =
+            TempPostgres::create_root(primary.bin_dir.clone(), primary.run_as, options)?;
+        let mut cmd = server.command("pg_basebackup");
+        cmd.args(["-h", HOST, "-p", &primary.port.to_string(), "-U", SUPERUSER])
+            .arg("-D")
+            .arg(&server.data_dir)
+            .args(["-X", "stream", "--checkpoint=fast", "--no-sync"]);
+        let out = cmd.output().map_err(io_err(format!(
+            "running {}",
+            server.bin_dir.join("pg_basebackup").display()
+        )))?;
+        if !out.status.success() {
+            let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
+            output.push_str(&String::from_utf8_lossy(&out.stderr));
+            return Err(ServerError::Basebackup {
+                status: out.status,
+                output,
+            });
+        }
+        let signal = server.data_dir.join("standby.signal");
+        File::create(&signal).map_err(io_err(format!("creating {}", signal.display())))?;
+        if let Some(user) = server.run_as {
+            std::os::unix::fs::chown(&signal, Some(user.uid), Some(user.gid))
+                .map_err(io_err(format!("handing {} to postgres", signal.display())))?;
+        }
+        server.launch(None)?;
+        Ok(server)
+    }
+
+    /// Makes every commit on this (primary) server wait for all of `standbys` (application
+    /// names of [`TempPostgres::start_standby`] standbys): sets `synchronous_standby_names` to
+    /// `FIRST n (...)` with `n` the number of standbys, reloads, and returns once the primary
+    /// reports each of them as a synchronous standby. An empty list turns synchronous
+    /// replication off.
+    ///
+    /// # Errors
+    /// [`ServerError::InvalidOption`] for a name that [`TempPostgres::start_standby`] would
+    /// refuse, [`ServerError::Sql`] if the settings cannot be changed, and
+    /// [`ServerError::Start`] (with this server's log tail) if the standbys are not all
+    /// synchronous within the start timeout.
+    pub async fn make_standbys_synchronous(&self, standbys: &[&str]) -> Result<(), ServerError> {
+        for name in standbys {
+            let ok = !name.is_empty()
+                && name.len() <= MAX_IDENTIFIER_BYTES
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !ok {
+                return Err(ServerError::InvalidOption(format!("standby name {name:?}")));
+            }
+        }
+        let names = if standbys.is_empty() {
+            String::new()
+        } else {
+            format!("FIRST {} ({})", standbys.len(), standbys.join(", "))
+        };
+        let client = crate::client::connect(self, "postgres").await?;
+        client
+            .batch_execute(&format!(
+                "ALTER SYSTEM SET synchronous_standby_names = '{names}'"
+            ))
+            .await?;
+        client.batch_execute("SELECT pg_reload_conf()").await?;
+        let deadline = Instant::now() + self.options.start_timeout;
+        loop {
+            let rows = client
+                .query(
+                    "SELECT application_name FROM pg_stat_replication WHERE sync_state = 'sync'",
+                    &[],
+                )
+                .await?;
+            let synchronous: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+            if standbys.iter().all(|s| synchronous.iter().any(|n| n == s)) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(ServerError::Start {
+                    reason: format!(
+                        "standbys {standbys:?} not all synchronous after {:?} (synchronous: {synchronous:?})",
+                        self.options.start_timeout
+                    ),
+                    log: self.log_path.clone(),
+                    log_tail: self.log_tail(LOG_TAIL_LINES),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A server handle over a new, empty temporary directory (with its log file, both owned by
+    /// the server's OS user); nothing is started.
+    fn create_root(
+        bin_dir: PathBuf,
+        run_as: Option<RunAs>,
+        options: ServerOptions,
+    ) -> Result<TempPostgres, ServerError> {
         let root = tempfile::Builder::new()
             .prefix("weft-pg-")
             .tempdir()
@@ -329,8 +473,7 @@ impl TempPostgres {
                     .map_err(io_err(format!("handing {} to postgres", path.display())))?;
             }
         }
-
-        let mut server = TempPostgres {
+        Ok(TempPostgres {
             root,
             data_dir,
             log_path,
@@ -340,10 +483,7 @@ impl TempPostgres {
             options,
             postmaster: None,
             killed: false,
-        };
-        server.initdb()?;
-        server.launch(None)?;
-        Ok(server)
+        })
     }
 
     /// The TCP port the server listens on (it may change across [`TempPostgres::restart`] only
@@ -666,14 +806,15 @@ fn kill_all(pm: &Postmaster) {
 }
 
 /// Whether `postmaster.pid` in `data_dir` names `pid` and says `ready` (line 8), which the
-/// postmaster writes once it accepts connections — the same check `pg_ctl start -w` makes.
+/// postmaster writes once it accepts connections, or `standby`, which a standby writes once
+/// it accepts read-only ones — the same check `pg_ctl start -w` makes.
 fn postmaster_ready(data_dir: &Path, pid: u32) -> bool {
     let Ok(text) = fs::read_to_string(data_dir.join("postmaster.pid")) else {
         return false;
     };
     let lines: Vec<&str> = text.lines().collect();
     lines.first().and_then(|l| l.trim().parse::<u32>().ok()) == Some(pid)
-        && lines.get(7).map(|l| l.trim()) == Some("ready")
+        && matches!(lines.get(7).map(|l| l.trim()), Some("ready" | "standby"))
 }
 
 /// After a kill, PostgreSQL leaves its small System V segment (key and id on line 7 of

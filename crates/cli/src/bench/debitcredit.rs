@@ -1,6 +1,9 @@
 //! `weft bench debitcredit`: DebitCredit on Raid over weft at several site
-//! counts, against PostgreSQL's own pgbench (TPC-B-like, same scale, same
-//! clients, fsync on) measured in the same run.
+//! counts, against PostgreSQL measured in the same run (TPC-B, same scale,
+//! same clients, fsync on): pgbench's stock script (`--pgbench`), the same
+//! transaction as one PL/pgSQL call (`--pg-function`), and that call on a
+//! primary with N synchronous standbys (`--pg-sync-standbys N`), the
+//! strongest PostgreSQL set-ups to set beside one and N+1 weft sites.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
@@ -45,9 +48,19 @@ pub struct DebitCreditArgs {
     /// disk's drift during the bench weighs on weft and pgbench alike.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub rounds: u32,
-    /// Also run PostgreSQL's pgbench (starts a temporary server).
+    /// Also run PostgreSQL's pgbench with its stock TPC-B script, seven
+    /// round trips a transaction (starts a temporary server).
     #[arg(long)]
     pub pgbench: bool,
+    /// Also run the TPC-B transaction as one PL/pgSQL function call per
+    /// transaction, driven by pgbench (JSON `pgfn_tps`).
+    #[arg(long)]
+    pub pg_function: bool,
+    /// Also run the function on a primary with this many synchronous
+    /// standbys (all on this machine, started in temporary directories;
+    /// JSON `pgfn_sync<N>_tps`), the PostgreSQL answer to N+1 weft sites.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
+    pub pg_sync_standbys: u32,
     /// Where data directories go (temporary, removed).
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -171,31 +184,145 @@ async fn run_sites(args: &DebitCreditArgs, sites: u32, engine: &str) -> anyhow::
     })
 }
 
-/// Runs `weft bench debitcredit`.
-pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !args.pgbench || args.mode == Mode::Tpcb,
-        "pgbench runs the tpcb transaction: use --mode tpcb"
-    );
-    let mut server = if args.pgbench {
-        let pb = progress("starting PostgreSQL");
-        let s = tokio::task::spawn_blocking(|| {
-            weft_pg::TempPostgres::start(weft_pg::ServerOptions::default())
+/// One PostgreSQL configuration measured beside weft.
+#[derive(Clone, Debug)]
+struct PgBaseline {
+    /// Prefix of its JSON keys (`pgbench`, `pgfn`, `pgfn_sync2`).
+    key: String,
+    /// Its row in the table and bar in the plot.
+    label: String,
+    script: weft_bench::pgbench::Script,
+    /// Synchronous standbys of the server it runs on (0: the plain server).
+    standbys: u32,
+}
+
+/// The PostgreSQL configurations the flags ask for, in the order they run.
+fn pg_baselines(args: &DebitCreditArgs) -> Vec<PgBaseline> {
+    use weft_bench::pgbench::Script;
+    let mut out = Vec::new();
+    if args.pgbench {
+        out.push(PgBaseline {
+            key: "pgbench".into(),
+            label: "pgbench (PostgreSQL)".into(),
+            script: Script::Stock,
+            standbys: 0,
+        });
+    }
+    if args.pg_function {
+        out.push(PgBaseline {
+            key: "pgfn".into(),
+            label: "PG function".into(),
+            script: Script::Function,
+            standbys: 0,
+        });
+    }
+    if args.pg_sync_standbys > 0 {
+        let n = args.pg_sync_standbys;
+        out.push(PgBaseline {
+            key: format!("pgfn_sync{n}"),
+            label: format!("PG function, {n} sync"),
+            script: Script::Function,
+            standbys: n,
+        });
+    }
+    out
+}
+
+/// The temporary PostgreSQL servers of a run: a plain one, and a primary
+/// with its synchronous standbys.
+#[derive(Default)]
+struct PgServers {
+    plain: Option<weft_pg::TempPostgres>,
+    primary: Option<weft_pg::TempPostgres>,
+    standbys: Vec<weft_pg::TempPostgres>,
+}
+
+impl PgServers {
+    /// Starts what `baselines` need.
+    async fn start(baselines: &[PgBaseline]) -> anyhow::Result<PgServers> {
+        let mut servers = PgServers::default();
+        if baselines.iter().any(|b| b.standbys == 0) {
+            let pb = progress("starting PostgreSQL");
+            servers.plain = Some(
+                tokio::task::spawn_blocking(|| {
+                    weft_pg::TempPostgres::start(weft_pg::ServerOptions::default())
+                })
+                .await??,
+            );
+            pb.finish_and_clear();
+        }
+        if let Some(n) = baselines
+            .iter()
+            .map(|b| b.standbys)
+            .max()
+            .filter(|&n| n > 0)
+        {
+            let pb = progress(&format!(
+                "starting PostgreSQL with {n} synchronous standbys"
+            ));
+            let primary = tokio::task::spawn_blocking(|| {
+                weft_pg::TempPostgres::start(weft_pg::ServerOptions::default())
+            })
+            .await??;
+            let names: Vec<String> = (1..=n).map(|i| format!("standby{i}")).collect();
+            let primary = std::sync::Arc::new(primary);
+            for name in &names {
+                let (p, name) = (Arc::clone(&primary), name.clone());
+                let standby = tokio::task::spawn_blocking(move || {
+                    weft_pg::TempPostgres::start_standby(
+                        &p,
+                        &name,
+                        weft_pg::ServerOptions::default(),
+                    )
+                })
+                .await??;
+                servers.standbys.push(standby);
+            }
+            let primary = Arc::into_inner(primary).expect("the standbys are started");
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            primary.make_standbys_synchronous(&refs).await?;
+            servers.primary = Some(primary);
+            pb.finish_and_clear();
+        }
+        Ok(servers)
+    }
+
+    fn for_baseline(&self, b: &PgBaseline) -> &weft_pg::TempPostgres {
+        let server = if b.standbys == 0 {
+            self.plain.as_ref()
+        } else {
+            self.primary.as_ref()
+        };
+        server.expect("started for every baseline")
+    }
+
+    /// Stops every server: the primary before its standbys, so that no commit
+    /// is left waiting for a standby that is gone.
+    async fn stop(self) -> anyhow::Result<()> {
+        let mut servers: Vec<_> = self.plain.into_iter().chain(self.primary).collect();
+        servers.extend(self.standbys);
+        tokio::task::spawn_blocking(move || {
+            servers.iter_mut().try_for_each(weft_pg::TempPostgres::stop)
         })
         .await??;
-        pb.finish_and_clear();
-        Some(s)
-    } else {
-        None
-    };
-    let measured = measure_rounds(&args, server.as_ref()).await;
-    if let Some(mut s) = server.take() {
-        tokio::task::spawn_blocking(move || s.stop()).await??;
+        Ok(())
     }
+}
+
+/// Runs `weft bench debitcredit`.
+pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
+    let baselines = pg_baselines(&args);
+    anyhow::ensure!(
+        baselines.is_empty() || args.mode == Mode::Tpcb,
+        "the PostgreSQL baselines run the tpcb transaction: use --mode tpcb"
+    );
+    let servers = PgServers::start(&baselines).await?;
+    let measured = measure_rounds(&args, &servers, &baselines).await;
+    servers.stop().await?;
     let (mut runs, pg) = measured?;
     let main = runs.remove(0).1;
     report_engines(&args, &main, &runs);
-    report(&args, &main, pg.as_ref(), &runs)
+    report(&args, &main, &pg, &runs)
 }
 
 /// Prints each further engine's figures and its ratio against the first.
@@ -224,12 +351,13 @@ fn report_engines(
 /// Runs of every configuration, by engine (in `--kv-engine` order).
 type EngineRuns = Vec<(String, Vec<(u32, Rounds)>)>;
 
-/// Every round: each site count and pgbench, weft first in odd rounds and
-/// pgbench first in even ones.
+/// Every round: each site count and each PostgreSQL baseline, weft first in
+/// odd rounds and PostgreSQL first in even ones.
 async fn measure_rounds(
     args: &DebitCreditArgs,
-    server: Option<&weft_pg::TempPostgres>,
-) -> anyhow::Result<(EngineRuns, Option<Rounds>)> {
+    servers: &PgServers,
+    baselines: &[PgBaseline],
+) -> anyhow::Result<(EngineRuns, Vec<(PgBaseline, Rounds)>)> {
     let mut runs: EngineRuns = args
         .kv_engine
         .iter()
@@ -240,28 +368,33 @@ async fn measure_rounds(
             )
         })
         .collect();
-    let mut pg = server.map(|_| Rounds::default());
+    let mut pg: Vec<(PgBaseline, Rounds)> = baselines
+        .iter()
+        .map(|b| (b.clone(), Rounds::default()))
+        .collect();
     for round in 0..args.rounds {
         let pg_first = round % 2 == 1;
         for step in 0..2 {
             if (step == 0) == pg_first {
-                if let (Some(server), Some(pg)) = (server, pg.as_mut()) {
+                for (baseline, rounds) in &mut pg {
                     let pb = progress(&format!(
-                        "round {}/{}: pgbench, scale {}, {} clients",
+                        "round {}/{}: {}, scale {}, {} clients",
                         round + 1,
                         args.rounds,
+                        baseline.label,
                         args.scale,
                         args.clients
                     ));
-                    let r = weft_bench::pgbench::run(
-                        server,
+                    let options = weft_bench::pgbench::PgbenchOptions::new(
                         args.scale,
                         args.clients as u32,
                         args.duration,
                     )
-                    .await?;
+                    .script(baseline.script);
+                    let r = weft_bench::pgbench::run_with(servers.for_baseline(baseline), &options)
+                        .await?;
                     pb.finish_and_clear();
-                    pg.add_pgbench(&r);
+                    rounds.add_pgbench(&r);
                 }
             } else {
                 // Engines alternate too: the first one first in odd rounds.
@@ -284,7 +417,7 @@ async fn measure_rounds(
 fn report(
     args: &DebitCreditArgs,
     runs: &[(u32, Rounds)],
-    pg: Option<&Rounds>,
+    pg: &[(PgBaseline, Rounds)],
     others: &[(String, Vec<(u32, Rounds)>)],
 ) -> anyhow::Result<()> {
     println!(
@@ -330,10 +463,10 @@ fn report(
             r.tps(),
         ));
     }
-    if let Some(p) = pg {
+    for (b, p) in pg {
         println!(
             "{:<22} {:>9.0} {:>9.2} {:>9} {:>11} {:>11} {:>7}  {} failed",
-            "pgbench (PostgreSQL)",
+            b.label,
             p.tps(),
             mean(&p.p50_ms),
             "-",
@@ -342,10 +475,14 @@ fn report(
             "-",
             p.failed
         );
-        report.insert("pgbench_tps".into(), json!(r2(p.tps())));
-        report.insert("pgbench_tps_rounds".into(), json!(rounded(&p.tps)));
-        report.insert("pgbench_latency_avg_ms".into(), json!(r2(mean(&p.p50_ms))));
-        bars.push(("pgbench".to_string(), p.tps()));
+        let key = &b.key;
+        report.insert(format!("{key}_tps"), json!(r2(p.tps())));
+        report.insert(format!("{key}_tps_rounds"), json!(rounded(&p.tps)));
+        report.insert(format!("{key}_latency_avg_ms"), json!(r2(mean(&p.p50_ms))));
+        bars.push((b.label.replace(" (PostgreSQL)", ""), p.tps()));
+    }
+    if !pg.is_empty() {
+        println!("  (PostgreSQL's p50 column is pgbench's mean latency)");
     }
     if args.rounds > 1 {
         for (s, r) in runs {
@@ -355,28 +492,37 @@ fn report(
                 per_round.join(", ")
             );
         }
-        if let Some(p) = pg {
+        for (b, p) in pg {
             let per_round: Vec<String> = p.tps.iter().map(|t| format!("{t:.0}")).collect();
-            println!("  pgbench, tps per round: {}", per_round.join(", "));
+            println!("  {}, tps per round: {}", b.label, per_round.join(", "));
         }
     }
     println!("targets (means over the rounds):");
     let mut met = serde_json::Map::new();
     let find = |n: u32| runs.iter().find(|(s, _)| *s == n).map(|(_, r)| r);
-    if let Some(p) = pg {
-        for (n, bound) in [(1u32, 2.0), (3, 1.0)] {
-            if let Some(r) = find(n) {
-                met.insert(
-                    format!("sites_{n}"),
-                    json!(check(
-                        &format!("weft_tps_sites_{n} / pgbench_tps"),
-                        r.tps() / p.tps(),
-                        ">=",
-                        bound
-                    )),
-                );
-            }
-        }
+    // weft at 1 site against PostgreSQL alone, weft at 3 sites (three copies)
+    // against PostgreSQL alone and against the function with two synchronous
+    // standbys (three copies too).
+    let targets: [(u32, &str, f64, &str); 5] = [
+        (1, "pgbench", 2.0, "sites_1"),
+        (3, "pgbench", 1.0, "sites_3"),
+        (1, "pgfn", 2.0, "sites_1_vs_pgfn"),
+        (3, "pgfn", 1.0, "sites_3_vs_pgfn"),
+        (3, "pgfn_sync2", 2.0, "sites_3_vs_pgfn_sync2"),
+    ];
+    for (n, key, bound, name) in targets {
+        let (Some(r), Some((_, p))) = (find(n), pg.iter().find(|(b, _)| b.key == key)) else {
+            continue;
+        };
+        met.insert(
+            name.to_string(),
+            json!(check(
+                &format!("weft_tps_sites_{n} / {key}_tps"),
+                r.tps() / p.tps(),
+                ">=",
+                bound
+            )),
+        );
     }
     if let Some(r) = find(1) {
         println!(
