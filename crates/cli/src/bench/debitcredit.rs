@@ -17,7 +17,7 @@ use super::{check, progress, r2, write_json};
 use crate::client::parse_duration;
 
 /// Flags of `weft bench debitcredit`.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct DebitCreditArgs {
     /// Site counts to measure (every relation replicated on every site).
     #[arg(long, value_delimiter = ',', default_value = "1,3,5")]
@@ -67,21 +67,36 @@ pub struct DebitCreditArgs {
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Draw a bar chart of tps per configuration to this PNG file.
+    /// Draw a bar chart of tps per configuration to this PNG file (with
+    /// --sweep: tps and p99 against clients).
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// The scale curves instead: clients 1, 8, 32, 64 × sites 1, 3, 5 ×
+    /// scale 1 and 10 (ignoring --sites, --clients, --scale and --rounds),
+    /// with the PostgreSQL baselines asked for at the same client counts.
+    #[arg(long)]
+    pub sweep: bool,
+    /// Client counts of --sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    pub sweep_clients: Vec<usize>,
+    /// Site counts of --sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,3,5")]
+    pub sweep_sites: Vec<u32>,
+    /// Scales of --sweep.
+    #[arg(long, value_delimiter = ',', default_value = "1,10")]
+    pub sweep_scales: Vec<u32>,
 }
 
-struct SiteRun {
-    report: RunReport,
+pub(super) struct SiteRun {
+    pub(super) report: RunReport,
     messages: f64,
     forces: f64,
-    audit_ok: bool,
+    pub(super) audit_ok: bool,
 }
 
 /// The rounds of one configuration: the means of their figures.
 #[derive(Default)]
-struct Rounds {
+pub(super) struct Rounds {
     tps: Vec<f64>,
     p50_ms: Vec<f64>,
     p99_ms: Vec<f64>,
@@ -93,7 +108,7 @@ struct Rounds {
 }
 
 impl Rounds {
-    fn add_site(&mut self, r: &SiteRun) {
+    pub(super) fn add_site(&mut self, r: &SiteRun) {
         if self.tps.is_empty() {
             self.audit_ok = true;
         }
@@ -114,7 +129,7 @@ impl Rounds {
         self.failed += r.failed_transactions.unwrap_or(0);
     }
 
-    fn tps(&self) -> f64 {
+    pub(super) fn tps(&self) -> f64 {
         mean(&self.tps)
     }
 }
@@ -127,7 +142,11 @@ fn mean(v: &[f64]) -> f64 {
     }
 }
 
-async fn run_sites(args: &DebitCreditArgs, sites: u32, engine: &str) -> anyhow::Result<SiteRun> {
+pub(super) async fn run_sites(
+    args: &DebitCreditArgs,
+    sites: u32,
+    engine: &str,
+) -> anyhow::Result<SiteRun> {
     let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let pb = progress(&format!(
         "{sites} site(s), {engine} engine: starting and loading"
@@ -186,12 +205,12 @@ async fn run_sites(args: &DebitCreditArgs, sites: u32, engine: &str) -> anyhow::
 
 /// One PostgreSQL configuration measured beside weft.
 #[derive(Clone, Debug)]
-struct PgBaseline {
+pub(super) struct PgBaseline {
     /// Prefix of its JSON keys (`pgbench`, `pgfn`, `pgfn_sync2`).
-    key: String,
+    pub(super) key: String,
     /// Its row in the table and bar in the plot.
-    label: String,
-    script: weft_bench::pgbench::Script,
+    pub(super) label: String,
+    pub(super) script: weft_bench::pgbench::Script,
     /// Synchronous standbys of the server it runs on (0: the plain server).
     standbys: u32,
 }
@@ -231,7 +250,7 @@ fn pg_baselines(args: &DebitCreditArgs) -> Vec<PgBaseline> {
 /// The temporary PostgreSQL servers of a run: a plain one, and a primary
 /// with its synchronous standbys.
 #[derive(Default)]
-struct PgServers {
+pub(super) struct PgServers {
     plain: Option<weft_pg::TempPostgres>,
     primary: Option<weft_pg::TempPostgres>,
     standbys: Vec<weft_pg::TempPostgres>,
@@ -287,7 +306,7 @@ impl PgServers {
         Ok(servers)
     }
 
-    fn for_baseline(&self, b: &PgBaseline) -> &weft_pg::TempPostgres {
+    pub(super) fn for_baseline(&self, b: &PgBaseline) -> &weft_pg::TempPostgres {
         let server = if b.standbys == 0 {
             self.plain.as_ref()
         } else {
@@ -317,6 +336,11 @@ pub async fn run(args: DebitCreditArgs) -> anyhow::Result<()> {
         "the PostgreSQL baselines run the tpcb transaction: use --mode tpcb"
     );
     let servers = PgServers::start(&baselines).await?;
+    if args.sweep {
+        let swept = super::dc_sweep::run(&args, &servers, &baselines).await;
+        servers.stop().await?;
+        return swept;
+    }
     let measured = measure_rounds(&args, &servers, &baselines).await;
     servers.stop().await?;
     let (mut runs, pg) = measured?;

@@ -5,6 +5,7 @@
 //! Owns the shared measuring tools (latency histograms, reports, progress).
 
 pub mod commit;
+mod dc_sweep;
 pub mod debitcredit;
 pub mod fs;
 pub mod fs_run;

@@ -90,7 +90,7 @@ pub fn bar_chart(
     ];
     chart
         .draw_series(bars.iter().enumerate().map(|(i, (label, v))| {
-            let color = if label.starts_with("pgbench") {
+            let color = if label.starts_with("pgbench") || label.starts_with("PG") {
                 colors[3]
             } else {
                 colors[i % 3]
