@@ -187,6 +187,46 @@ fn spawn_site(id: u32, dir: &std::path::Path, join: Option<&str>) -> anyhow::Res
     ChildNode::start(&format!("site {id}"), &args)
 }
 
+/// CPU time per committed transaction of each site process and of the
+/// clients (this process), with the share of the transport threads, as Raid
+/// reported it (seed 000, section 2.2: 267 ms of system time per
+/// transaction, over 92% of it communication).
+fn print_cpu(sites: &[crate::cpu::CpuSample], client: &crate::cpu::CpuSample, committed: u64) {
+    if committed == 0 {
+        return;
+    }
+    let per = |s: f64| s * 1e6 / committed as f64;
+    println!("CPU per committed transaction (µs; Raid V1: 267,000 µs of system time, >92% communication):");
+    println!(
+        "  {:<10} {:>9} {:>9} {:>10}  by thread group (user+system µs)",
+        "process", "user", "system", "transport"
+    );
+    let row = |name: String, s: &crate::cpu::CpuSample| {
+        let total = s.total();
+        let groups: Vec<String> = s
+            .by_group
+            .iter()
+            .filter(|(_, c)| c.total_s() > 0.0)
+            .map(|(g, c)| format!("{g} {:.0}", per(c.total_s())))
+            .collect();
+        println!(
+            "  {:<10} {:>9.0} {:>9.0} {:>9.0}%  {}",
+            name,
+            per(total.user_s),
+            per(total.system_s),
+            s.transport_share() * 100.0,
+            groups.join(", ")
+        );
+    };
+    for (i, s) in sites.iter().enumerate() {
+        row(format!("site {}", i + 1), s);
+    }
+    row("clients".into(), client);
+    println!(
+        "  (transport: the shm links' reader threads; TCP frames are read and written by the runtime workers)"
+    );
+}
+
 async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Result<()> {
     let dir = tempfile::Builder::new()
         .prefix(".weft-demo-")
@@ -221,6 +261,11 @@ async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resul
     c.close().await;
     spinner.finish_and_clear();
     let (m0, f0) = cluster_counters(&opts).await?;
+    let cpu_before: Vec<_> = procs
+        .iter()
+        .map(|p| crate::cpu::sample(&p.id().to_string()))
+        .collect();
+    let client_before = crate::cpu::sample("self");
     let progress = Arc::new(AtomicU64::new(0));
     let pb = live_bar(args.duration);
     let ticker = spawn_ticker(pb.clone(), progress.clone());
@@ -237,6 +282,12 @@ async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resul
     .await?;
     ticker.abort();
     pb.finish_and_clear();
+    let cpu_spent: Vec<_> = procs
+        .iter()
+        .zip(&cpu_before)
+        .map(|(p, before)| crate::cpu::sample(&p.id().to_string()).since(before))
+        .collect();
+    let client_spent = crate::cpu::sample("self").since(&client_before);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (m1, f1) = cluster_counters(&opts).await?;
     let per = |x: u64| {
@@ -252,6 +303,7 @@ async fn run_processes(args: &DemoArgs, base: &std::path::Path) -> anyhow::Resul
         Some(per(m1 - m0)),
         Some(per(f1 - f0)),
     );
+    print_cpu(&cpu_spent, &client_spent, report.committed);
     let c = Client::connect(&opts).await?;
     let audit = audit_cluster(&c).await?;
     c.close().await;

@@ -5,6 +5,7 @@ mod bench;
 mod call_cmd;
 mod child;
 mod client;
+mod cpu;
 mod demo;
 mod fs_cmd;
 mod group_cmd;
