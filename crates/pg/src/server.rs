@@ -347,16 +347,7 @@ impl TempPostgres {
         application_name: &str,
         options: ServerOptions,
     ) -> Result<TempPostgres, ServerError> {
-        let name_ok = !application_name.is_empty()
-            && application_name.len() <= MAX_IDENTIFIER_BYTES
-            && application_name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_');
-        if !name_ok {
-            return Err(ServerError::InvalidOption(format!(
-                "standby name {application_name:?} must be 1..={MAX_IDENTIFIER_BYTES} ASCII letters, digits or _"
-            )));
-        }
+        check_standby_name(application_name)?;
         if !primary.is_running() {
             return Err(ServerError::NotRunning);
         }
@@ -373,18 +364,9 @@ impl TempPostgres {
             .arg("-D")
             .arg(&server.data_dir)
             .args(["-X", "stream", "--checkpoint=fast", "--no-sync"]);
-        let out = cmd.output().map_err(io_err(format!(
-            "running {}",
-            server.bin_dir.join("pg_basebackup").display()
-        )))?;
-        if !out.status.success() {
-            let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
-            output.push_str(&String::from_utf8_lossy(&out.stderr));
-            return Err(ServerError::Basebackup {
-                status: out.status,
-                output,
-            });
-        }
+        server.run_to_success(cmd, "pg_basebackup", |status, output| {
+            ServerError::Basebackup { status, output }
+        })?;
         let signal = server.data_dir.join("standby.signal");
         File::create(&signal).map_err(io_err(format!("creating {}", signal.display())))?;
         if let Some(user) = server.run_as {
@@ -408,12 +390,7 @@ impl TempPostgres {
     /// synchronous within the start timeout.
     pub async fn make_standbys_synchronous(&self, standbys: &[&str]) -> Result<(), ServerError> {
         for name in standbys {
-            let ok = !name.is_empty()
-                && name.len() <= MAX_IDENTIFIER_BYTES
-                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-            if !ok {
-                return Err(ServerError::InvalidOption(format!("standby name {name:?}")));
-            }
+            check_standby_name(name)?;
         }
         let names = if standbys.is_empty() {
             String::new()
@@ -641,24 +618,36 @@ impl TempPostgres {
         self.launch(Some(self.port))
     }
 
+    /// Runs `cmd` (PostgreSQL's `program`) to its end; a failure to start it is
+    /// [`ServerError::Io`], an unsuccessful exit `failed(status, stdout + stderr)`.
+    fn run_to_success(
+        &self,
+        mut cmd: Command,
+        program: &str,
+        failed: impl FnOnce(ExitStatus, String) -> ServerError,
+    ) -> Result<(), ServerError> {
+        let out = cmd.output().map_err(io_err(format!(
+            "running {}",
+            self.bin_dir.join(program).display()
+        )))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
+        output.push_str(&String::from_utf8_lossy(&out.stderr));
+        Err(failed(out.status, output))
+    }
+
     fn initdb(&self) -> Result<(), ServerError> {
         let mut cmd = self.command("initdb");
         cmd.arg("-D")
             .arg(&self.data_dir)
             .args(["-U", SUPERUSER, "--auth=trust", "--encoding=UTF8"])
             .args(["--locale=C", "--no-sync"]);
-        let out = cmd.output().map_err(io_err(format!(
-            "running {}",
-            self.bin_dir.join("initdb").display()
-        )))?;
-        if !out.status.success() {
-            let mut output = String::from_utf8_lossy(&out.stdout).into_owned();
-            output.push_str(&String::from_utf8_lossy(&out.stderr));
-            return Err(ServerError::Initdb {
-                status: out.status,
-                output,
-            });
-        }
+        self.run_to_success(cmd, "initdb", |status, output| ServerError::Initdb {
+            status,
+            output,
+        })?;
         let conf = self.data_dir.join("postgresql.conf");
         let mut file = OpenOptions::new()
             .append(true)
@@ -787,6 +776,21 @@ enum Failure {
 impl From<ServerError> for Failure {
     fn from(error: ServerError) -> Self {
         Failure::Fatal(error)
+    }
+}
+
+/// A standby's `application_name` must be a plain identifier: it is written unquoted into
+/// `primary_conninfo` and `synchronous_standby_names`.
+fn check_standby_name(name: &str) -> Result<(), ServerError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_IDENTIFIER_BYTES
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(ServerError::InvalidOption(format!(
+            "standby name {name:?} must be 1..={MAX_IDENTIFIER_BYTES} ASCII letters, digits or _"
+        )))
     }
 }
 
