@@ -4,10 +4,10 @@
 //! transactions as a two-phase resource.
 //!
 //! Owns the proxy's sockets and tasks, the map from transactions to
-//! connections, prepare (wait for the transaction's last server byte, log the
-//! held output, vote), commit (release to the peer) and abort (drop), and
-//! closing a peer's connection once its server is gone and nothing is
-//! pending. Must never release a held byte before the commit decision
+//! connections, commit (release to the peer) and abort (drop), and closing a
+//! peer's connection once its server is gone and nothing is pending; what
+//! prepare, TX_START and recovery do beyond finding the connection is the
+//! shared [`crate::control::logger`]'s. Must never release a held byte before the commit decision
 //! reached this node, nor keep a peer connection whose server is gone once
 //! nothing undecided is held for it.
 
@@ -25,13 +25,16 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 use weft_log::{Log, LogRecord};
 use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
-use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
+use weft_tx::{ParticipationClass, Resource, TxManager, Vote};
 use weft_wire::{Failure, Status, Tid};
 
-use super::{
-    frame, ConnInfo, ConnName, NetRecord, NetRequest, NetResponse, NET_RECORD_TAG, SERVICE,
-};
+use super::{frame, ConnInfo, ConnName, NetRequest, NetResponse, SERVICE};
+pub use crate::control::logger::Undeliverable;
+use crate::control::logger::{self as shared, need_tx};
 use crate::core::{Action, ConnState, CoreError, Event, LoggerConfig, LoggerCore};
+
+/// Prefix of the proxy's messages.
+const WHO: &str = "net";
 
 /// Proxy settings.
 #[derive(Clone, Debug)]
@@ -159,21 +162,6 @@ struct Inner {
     undeliverable: Mutex<Vec<Undeliverable>>,
 }
 
-/// Output a previous run of the proxy prepared and never released: its peer
-/// connection ended with that run.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Undeliverable {
-    /// The transaction.
-    pub tid: Tid,
-    /// Its connection.
-    pub conn: ConnName,
-    /// Bytes it held.
-    pub bytes: usize,
-    /// True when recovery knows it committed; false when in doubt (its
-    /// outcome arrives later).
-    pub committed: bool,
-}
-
 /// The 2CA proxy logger, a [`Plugin`] of its node.
 #[derive(Clone)]
 pub struct NetProxy {
@@ -279,7 +267,7 @@ impl Inner {
                 in_end,
                 out_end,
             } => {
-                let tid = need_tx(&ctx)?;
+                let tid = need_tx(&ctx, WHO)?;
                 let c = self.conn(&conn).await?;
                 c.step(Event::End {
                     tx: tid,
@@ -296,57 +284,40 @@ impl Inner {
                 aborted,
                 replay,
             } => {
-                let tid = need_tx(&ctx)?;
+                let tid = need_tx(&ctx, WHO)?;
                 let c = self.conn(&conn).await?;
-                let give_up = Instant::now() + self.cfg.start_wait;
-                loop {
-                    let notified = c.progress.notified();
-                    let res = {
-                        let mut core = c.core.lock();
-                        let now = Instant::now();
-                        if let Some(old) = aborted.filter(|o| core.tx() == Some(*o)) {
-                            let _ = core.step(now, Event::Abort { tx: old });
-                        }
-                        if replay {
-                            core.step(now, Event::Restart { tx: tid, out_from })
-                        } else {
-                            core.step(
-                                now,
-                                Event::Start {
-                                    tx: tid,
-                                    in_from,
-                                    out_from,
-                                },
-                            )
-                        }
+                let a = shared::when_free(WHO, &conn, self.cfg.start_wait, &c.progress, || {
+                    let mut core = c.core.lock();
+                    let now = Instant::now();
+                    if let Some(old) = aborted.filter(|o| core.tx() == Some(*o)) {
+                        let _ = core.step(now, Event::Abort { tx: old });
+                    }
+                    let res = if replay {
+                        core.step(now, Event::Restart { tx: tid, out_from })
+                    } else {
+                        core.step(
+                            now,
+                            Event::Start {
+                                tx: tid,
+                                in_from,
+                                out_from,
+                            },
+                        )
                     };
                     match res {
-                        Ok(a) => {
-                            if let Some(old) = aborted {
-                                self.by_tid.lock().remove(&old);
-                            }
-                            self.by_tid.lock().insert(tid, conn.clone());
-                            c.apply(a).await;
-                            c.pump().await;
-                            return Ok(NetResponse::Done);
-                        }
-                        Err(CoreError::Busy(prev)) => {
-                            if tokio::time::timeout_at(give_up.into(), notified)
-                                .await
-                                .is_err()
-                            {
-                                return Err(Failure::new(
-                                    Status::Unavailable,
-                                    format!(
-                                        "net: {prev} on {conn} still undecided after {:?}",
-                                        self.cfg.start_wait
-                                    ),
-                                ));
-                            }
-                        }
-                        Err(e) => return Err(e.into()),
+                        Ok(a) => Ok(Some(a)),
+                        Err(CoreError::Busy(_)) => Ok(None),
+                        Err(e) => Err(e.into()),
                     }
+                })
+                .await?;
+                if let Some(old) = aborted {
+                    self.by_tid.lock().remove(&old);
                 }
+                self.by_tid.lock().insert(tid, conn.clone());
+                c.apply(a).await;
+                c.pump().await;
+                Ok(NetResponse::Done)
             }
         }
     }
@@ -508,15 +479,6 @@ impl Inner {
     }
 }
 
-fn need_tx(ctx: &CallContext) -> Result<Tid, Failure> {
-    ctx.tid().ok_or_else(|| {
-        Failure::new(
-            Status::BadRequest,
-            "net: this control message must be sent within a transaction",
-        )
-    })
-}
-
 impl Resource for ProxyResource {
     fn name(&self) -> &str {
         "net-proxy"
@@ -531,66 +493,12 @@ impl Resource for ProxyResource {
             let Some(c) = self.0.conn_of(tid) else {
                 return Vote::ReadOnly;
             };
-            let give_up = Instant::now() + self.0.cfg.prepare_wait;
-            // Wait for the transaction's last server bytes.
-            loop {
-                let notified = c.progress.notified();
-                {
-                    let core = c.core.lock();
-                    if core.tx() != Some(tid) {
-                        return Vote::No(format!("net: {tid} no longer runs on {}", c.name));
-                    }
-                    if core.is_doomed() {
-                        return Vote::No(format!(
-                            "net: {tid} wrote more than {} bytes on {}",
-                            core.config().max_hold,
-                            c.name
-                        ));
-                    }
-                    if core.state() != ConnState::Commit {
-                        return Vote::No(format!(
-                            "net: the server did not end {tid}'s bytes on {}",
-                            c.name
-                        ));
-                    }
-                    if core.is_complete() {
-                        let mut bytes = Vec::with_capacity(core.stats().held_bytes as usize);
-                        for b in core.held() {
-                            bytes.extend_from_slice(b);
-                        }
-                        let rec = NetRecord::Prepared {
-                            tid,
-                            conn: c.name.clone(),
-                            bytes,
-                        };
-                        let payload = match postcard::to_allocvec(&rec) {
-                            Ok(p) => p,
-                            Err(e) => return Vote::No(format!("net: {e}")),
-                        };
-                        // Made durable by the transaction manager's forced
-                        // prepare record, which follows it.
-                        return match log.append(NET_RECORD_TAG, &payload) {
-                            Ok(_) => Vote::Yes { durable: true },
-                            Err(e) => Vote::No(format!("net: cannot log the held output: {e}")),
-                        };
-                    }
-                }
-                if c.server_gone.load(Ordering::SeqCst) {
-                    return Vote::No(format!(
-                        "net: the server closed {} before {tid}'s last byte",
-                        c.name
-                    ));
-                }
-                if tokio::time::timeout_at(give_up.into(), notified)
-                    .await
-                    .is_err()
-                {
-                    return Vote::No(format!(
-                        "net: {tid}'s last server bytes did not arrive within {:?}",
-                        self.0.cfg.prepare_wait
-                    ));
-                }
-            }
+            let wait = self.0.cfg.prepare_wait;
+            shared::prepare(WHO, tid, log, wait, &c.progress, || {
+                let gone = c.server_gone.load(Ordering::SeqCst);
+                shared::prepare_check(WHO, &c.core.lock(), gone, tid, &c.name)
+            })
+            .await
         })
     }
 
@@ -600,11 +508,7 @@ impl Resource for ProxyResource {
             match c.step(Event::Commit { tx: tid }) {
                 Ok(a) => {
                     c.apply(a).await;
-                    if let Some(log) = self.0.log.get() {
-                        if let Ok(p) = postcard::to_allocvec(&NetRecord::Released { tid }) {
-                            let _ = log.append(NET_RECORD_TAG, &p);
-                        }
-                    }
+                    shared::log_released(self.0.log.get(), tid);
                 }
                 Err(e) => {
                     tracing::warn!(%tid, conn = %c.name, error = %e, "net proxy: commit not applied")
@@ -664,33 +568,8 @@ impl Plugin for NetProxy {
     }
 
     fn recover(&self, tm: &TxManager, records: &[LogRecord]) -> Result<(), Failure> {
-        let mut prepared: HashMap<Tid, (ConnName, usize)> = HashMap::new();
-        for r in records.iter().filter(|r| r.tag == NET_RECORD_TAG) {
-            let rec: NetRecord = postcard::from_bytes(&r.payload)
-                .map_err(|e| plugin_failure(format!("undecodable record at {}: {e}", r.lsn)))?;
-            match rec {
-                NetRecord::Prepared { tid, conn, bytes } => {
-                    prepared.insert(tid, (conn, bytes.len()));
-                }
-                NetRecord::Released { tid } => {
-                    prepared.remove(&tid);
-                }
-            }
-        }
-        for (tid, (conn, bytes)) in prepared {
-            let committed = match tm.recovered(tid) {
-                Some(Recovered::Committed) => true,
-                Some(Recovered::InDoubt) => false,
-                _ => continue,
-            };
-            tracing::warn!(%tid, %conn, bytes, committed, "net proxy: output of a transaction lost with its peer connection (the proxy died before releasing it)");
-            self.inner.undeliverable.lock().push(Undeliverable {
-                tid,
-                conn,
-                bytes,
-                committed,
-            });
-        }
+        let lost = shared::undeliverable("net proxy", tm, records)?;
+        self.inner.undeliverable.lock().extend(lost);
         Ok(())
     }
 
