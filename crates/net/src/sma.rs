@@ -7,10 +7,18 @@
 //! core's receive window from the socket, a writer task that sends what the
 //! core releases, in order, and the resource that turns prepare, commit and
 //! abort into the core's end, TX_COMMIT and TX_ABORT. Must never put a byte
-//! of a transaction on the wire before the transaction's commit decision is
-//! durable (the resource votes "durable", so the coordinator forces its
-//! commit record first, and the transaction manager commits this resource
-//! only after that force), and never read from the peer past the window.
+//! of a transaction on the wire before every durable effect of the
+//! transaction is committed durably, and never read from the peer past the
+//! window.
+//!
+//! The stream itself keeps nothing durable (its bytes live in this process
+//! only), so it votes `Yes { durable: false }`: a transaction whose only
+//! effect is the stream's output has no record to force, and its output
+//! leaves at once. When another resource of the transaction votes durable,
+//! the coordinator forces its commit record before any resource commits, and
+//! this resource (which does not commit from this node's log) is committed,
+//! and so releases its bytes, only after that force: the output never
+//! precedes the durability of the transaction's other effects.
 
 use std::sync::Arc;
 
@@ -339,10 +347,12 @@ impl Resource for StreamResource {
                     out_end,
                 },
             ) {
-                // Output is an effect outside this process that cannot be
-                // taken back: the decision must be durable before it leaves,
-                // so this vote asks the coordinator to force its record.
-                Ok(_) => Vote::Yes { durable: true },
+                // Nothing of the stream is durable. Output cannot be taken
+                // back, but it needs a durable decision only when the
+                // transaction has durable effects; their votes make the
+                // coordinator force its commit record, and this resource
+                // commits (releases) only after that force.
+                Ok(_) => Vote::Yes { durable: false },
                 Err(e) => Vote::No(format!("{}: {e}", self.0.name)),
             }
         })
