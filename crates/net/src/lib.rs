@@ -23,5 +23,6 @@ pub mod core;
 pub mod sma;
 pub mod tca;
 pub mod tla;
+mod writer;
 
 pub use crate::core::{ConnState, ConnStats, CoreError, LoggerConfig};

@@ -3,7 +3,8 @@
 //! serves the `net` control service and takes part in the server's
 //! transactions as a two-phase resource.
 //!
-//! Owns the proxy's sockets and tasks, the map from transactions to
+//! Owns the proxy's sockets and tasks (the peer's writer is the shared
+//! [`crate::writer`]), the map from transactions to
 //! connections, commit (release to the peer) and abort (drop), and closing a
 //! peer's connection once its server is gone and nothing is pending; what
 //! prepare, TX_START and recovery do beyond finding the connection is the
@@ -32,6 +33,7 @@ use super::{frame, ConnInfo, ConnName, NetRequest, NetResponse, SERVICE};
 pub use crate::control::logger::Undeliverable;
 use crate::control::logger::{self as shared, need_tx};
 use crate::core::{Action, ConnState, CoreError, Event, LoggerConfig, LoggerCore};
+use crate::writer::PeerWriter;
 
 /// Prefix of the proxy's messages.
 const WHO: &str = "net";
@@ -82,13 +84,13 @@ struct Conn {
     /// Any change a waiter may care about (bytes, a decision, an end).
     progress: Notify,
     room: Notify,
-    to_peer: mpsc::Sender<Out>,
+    to_peer: PeerWriter,
     to_server: mpsc::Sender<Out>,
     server_gone: AtomicBool,
     peer_closed: AtomicBool,
     /// Of the server reader and the peer writer, how many ended: the
     /// second to end forgets the connection.
-    halves_done: AtomicU8,
+    halves_done: Arc<AtomicU8>,
 }
 
 impl Conn {
@@ -100,7 +102,7 @@ impl Conn {
         for a in actions {
             match a {
                 Action::ToPeer(b) => {
-                    let _ = self.to_peer.send(Out::Bytes(b)).await;
+                    let _ = self.to_peer.send(b).await;
                 }
                 Action::ToServer { pos, data } => {
                     for (i, part) in data.chunks(frame::MAX_PAYLOAD).enumerate() {
@@ -131,7 +133,7 @@ impl Conn {
         if self.server_gone.load(Ordering::SeqCst)
             && self.core.lock().state() == ConnState::PreTrans
         {
-            let _ = self.to_peer.send(Out::Close).await;
+            self.to_peer.close(false).await;
         }
     }
 
@@ -352,9 +354,9 @@ impl Inner {
 
     /// One of a connection's two ending halves (server reader, peer writer)
     /// ended; after both, nothing can reach the peer: forget it.
-    fn half_done(&self, c: &Conn) {
-        if c.halves_done.fetch_add(1, Ordering::SeqCst) == 1 {
-            self.conns.lock().remove(&c.name);
+    fn half_done(&self, name: &str, halves: &AtomicU8) {
+        if halves.fetch_add(1, Ordering::SeqCst) == 1 {
+            self.conns.lock().remove(name);
         }
     }
 
@@ -365,10 +367,15 @@ impl Inner {
         };
         let _ = peer.set_nodelay(true);
         let _ = up.set_nodelay(true);
-        let (mut peer_rd, mut peer_wr) = peer.into_split();
+        let (mut peer_rd, peer_wr) = peer.into_split();
         let (mut up_rd, mut up_wr) = up.into_split();
-        let (to_peer, mut peer_q) = mpsc::channel::<Out>(QUEUE);
         let (to_server, mut up_q) = mpsc::channel::<Out>(QUEUE);
+        let halves_done = Arc::new(AtomicU8::new(0));
+        // Peer writer: released bytes, in order.
+        let to_peer = {
+            let (inner, name, halves) = (Arc::clone(self), name.clone(), Arc::clone(&halves_done));
+            PeerWriter::spawn(peer_wr, QUEUE, move || inner.half_done(&name, &halves))
+        };
         let c = Arc::new(Conn {
             name: name.clone(),
             peer: peer_addr.to_string(),
@@ -379,29 +386,12 @@ impl Inner {
             to_server,
             server_gone: AtomicBool::new(false),
             peer_closed: AtomicBool::new(false),
-            halves_done: AtomicU8::new(0),
+            halves_done,
         });
         self.conns.lock().insert(name.clone(), Arc::clone(&c));
         self.new_conn.notify_waiters();
         tracing::debug!(conn = %name, peer = %peer_addr, "net proxy: connection");
 
-        // Peer writer: released bytes, in order.
-        let inner = Arc::clone(self);
-        let cw = Arc::clone(&c);
-        tokio::spawn(async move {
-            while let Some(o) = peer_q.recv().await {
-                match o {
-                    Out::Bytes(b) => {
-                        if peer_wr.write_all(&b).await.is_err() {
-                            break;
-                        }
-                    }
-                    Out::Close => break,
-                }
-            }
-            let _ = peer_wr.shutdown().await;
-            inner.half_done(&cw);
-        });
         // Server writer: framed peer bytes.
         tokio::spawn(async move {
             while let Some(o) = up_q.recv().await {
@@ -474,7 +464,7 @@ impl Inner {
             cs.server_gone.store(true, Ordering::SeqCst);
             cs.progress.notify_waiters();
             cs.close_if_done().await;
-            inner2.half_done(&cs);
+            inner2.half_done(&cs.name, &cs.halves_done);
         });
     }
 }
