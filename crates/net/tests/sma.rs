@@ -171,13 +171,14 @@ impl weft::Resource for DurableEffect {
 }
 
 /// A node that stops every transaction once its commit record is forced
-/// (the crash point `coordinator-after-commit-force`) and reports the
-/// stream's released bytes at that moment.
-async fn node_stopping_after_the_commit_force(
+/// (the crash point `coordinator-after-commit-force`), a stream on it, its
+/// peer, and the stream's released bytes reported at that point.
+async fn stopping_after_the_commit_force(
     dir: &std::path::Path,
 ) -> (
     Node,
-    Arc<std::sync::OnceLock<Arc<TxStream>>>,
+    Arc<TxStream>,
+    TcpStream,
     tokio::sync::mpsc::UnboundedReceiver<u64>,
 ) {
     let slot: Arc<std::sync::OnceLock<Arc<TxStream>>> = Arc::default();
@@ -196,13 +197,6 @@ async fn node_stopping_after_the_commit_force(
         .start()
         .await
         .expect("node starts");
-    (node, slot, seen)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_a_durable_effect_nothing_leaves_before_the_commit_record_is_forced() {
-    let dir = tempfile::tempdir().unwrap();
-    let (node, slot, mut seen) = node_stopping_after_the_commit_force(dir.path()).await;
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let peer = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
     let (srv, _) = l.accept().await.unwrap();
@@ -212,6 +206,13 @@ async fn with_a_durable_effect_nothing_leaves_before_the_commit_record_is_forced
         LoggerConfig::default(),
     ));
     assert!(slot.set(Arc::clone(&s)).is_ok());
+    (node, s, peer, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_durable_effect_nothing_leaves_before_the_commit_record_is_forced() {
+    let dir = tempfile::tempdir().unwrap();
+    let (node, s, peer, mut seen) = stopping_after_the_commit_force(dir.path()).await;
     let tx = node.begin();
     s.start(tx.tid()).unwrap();
     node.tm()
@@ -236,23 +237,16 @@ async fn with_a_durable_effect_nothing_leaves_before_the_commit_record_is_forced
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn output_alone_commits_without_forcing_a_record() {
     let dir = tempfile::tempdir().unwrap();
-    let (node, slot, mut seen) = node_stopping_after_the_commit_force(dir.path()).await;
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let peer = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-    let (srv, _) = l.accept().await.unwrap();
-    let s = Arc::new(TxStream::new(
-        srv,
-        node.tm().clone(),
-        LoggerConfig::default(),
-    ));
-    assert!(slot.set(Arc::clone(&s)).is_ok());
+    let (node, s, peer, mut seen) = stopping_after_the_commit_force(dir.path()).await;
     let tx = node.begin();
     s.start(tx.tid()).unwrap();
     s.write_all(b"nothing durable to wait for\n").await.unwrap();
     // With no durable effect there is no commit record to force: the crash
     // point after the force is never reached and the commit completes.
-    tx.commit().await.unwrap();
-    assert!(seen.try_recv().is_err(), "a commit record was forced");
+    tokio::select! {
+        r = tx.commit() => r.unwrap(),
+        _ = seen.recv() => panic!("a commit record was forced"),
+    }
     let mut rd = BufReader::new(peer);
     let mut line = String::new();
     rd.read_line(&mut line).await.unwrap();
