@@ -4,47 +4,49 @@
 //! transaction as a two-phase resource of the server's node.
 //!
 //! Owns one accepted (or connected) TCP stream: a reader task that fills the
-//! core's receive window from the socket, a writer task that sends what the
-//! core releases, in order, and the resource that turns prepare, commit and
+//! core's receive window from the socket, the peer's writer
+//! ([`crate::writer`]) that sends what the core releases, in order, and the resource that turns prepare, commit and
 //! abort into the core's end, TX_COMMIT and TX_ABORT. Must never put a byte
-//! of a transaction on the wire before the transaction's commit decision is
-//! durable (the resource votes "durable", so the coordinator forces its
-//! commit record first, and the transaction manager commits this resource
-//! only after that force), and never read from the peer past the window.
+//! of a transaction on the wire before every durable effect of the
+//! transaction is committed durably, and never read from the peer past the
+//! window.
+//!
+//! The stream itself keeps nothing durable (its bytes live in this process
+//! only), so it votes `Yes { durable: false }`: a transaction whose only
+//! effect is the stream's output has no record to force, and its output
+//! leaves at once. When another resource of the transaction votes durable,
+//! the coordinator forces its commit record before any resource commits, and
+//! this resource (which does not commit from this node's log) is committed,
+//! and so releases its bytes, only after that force: the output never
+//! precedes the durability of the transaction's other effects.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::Notify;
 use weft_log::Log;
 use weft_tx::{ParticipationClass, Resource, TxManager, Vote};
 use weft_wire::{Failure, Status, Tid};
 
 use crate::core::{Action, ConnState, ConnStats, Event, LoggerConfig, LoggerCore};
+use crate::writer::PeerWriter;
 
 /// Most chunks queued for the writer task (each at most one write or one
 /// commit's release); the writer's queue is bounded by this.
 const WRITER_QUEUE: usize = 1024;
-
-enum Out {
-    Bytes(Bytes),
-    Close(oneshot::Sender<()>),
-}
 
 struct Shared {
     name: String,
     core: Mutex<LoggerCore>,
     /// Set when the peer closed its side (or the read failed).
     eof: Mutex<Option<String>>,
-    /// Set when a write to the peer failed.
-    write_error: Mutex<Option<String>>,
     readable: Notify,
     room: Notify,
-    out: mpsc::Sender<Out>,
+    out: PeerWriter,
 }
 
 impl Shared {
@@ -58,12 +60,10 @@ impl Shared {
     async fn release(&self, actions: Vec<Action>) -> Result<(), Failure> {
         for a in actions {
             if let Action::ToPeer(b) = a {
-                self.out.send(Out::Bytes(b)).await.map_err(|_| {
-                    Failure::new(
-                        Status::ProcDead,
-                        format!("{}: the connection's writer stopped", self.name),
-                    )
-                })?;
+                self.out
+                    .send(b)
+                    .await
+                    .map_err(|e| Failure::new(Status::ProcDead, format!("{}: {e}", self.name)))?;
             }
         }
         Ok(())
@@ -96,34 +96,14 @@ impl TxStream {
             Err(_) => "net:?".to_string(),
         };
         let _ = tcp.set_nodelay(true);
-        let (mut rd, mut wr) = tcp.into_split();
-        let (out_tx, mut out_rx) = mpsc::channel::<Out>(WRITER_QUEUE);
+        let (mut rd, wr) = tcp.into_split();
         let shared = Arc::new(Shared {
             name,
             core: Mutex::new(LoggerCore::new(cfg)),
             eof: Mutex::new(None),
-            write_error: Mutex::new(None),
             readable: Notify::new(),
             room: Notify::new(),
-            out: out_tx,
-        });
-        let w = Arc::clone(&shared);
-        tokio::spawn(async move {
-            while let Some(o) = out_rx.recv().await {
-                match o {
-                    Out::Bytes(b) => {
-                        if let Err(e) = wr.write_all(&b).await {
-                            *w.write_error.lock() = Some(e.to_string());
-                            return;
-                        }
-                    }
-                    Out::Close(done) => {
-                        let _ = wr.shutdown().await;
-                        let _ = done.send(());
-                        return;
-                    }
-                }
-            }
+            out: PeerWriter::spawn(wr, WRITER_QUEUE, || {}),
         });
         let r = Arc::clone(&shared);
         let reader = tokio::spawn(async move {
@@ -282,7 +262,7 @@ impl TxStream {
     /// limit (nothing of `data` is held or sent), ProcDead when the
     /// connection's writer stopped.
     pub async fn write_all(&self, data: &[u8]) -> Result<(), Failure> {
-        if let Some(e) = self.shared.write_error.lock().clone() {
+        if let Some(e) = self.shared.out.error() {
             return Err(Failure::new(
                 Status::ProcDead,
                 format!("{}: {e}", self.shared.name),
@@ -298,10 +278,7 @@ impl TxStream {
     /// Sends what was released and closes the sending side (the peer reads
     /// end-of-stream after the last committed byte).
     pub async fn shutdown(&self) {
-        let (tx, rx) = oneshot::channel();
-        if self.shared.out.send(Out::Close(tx)).await.is_ok() {
-            let _ = rx.await;
-        }
+        self.shared.out.close(true).await;
     }
 
     /// The connection's state.
@@ -339,10 +316,12 @@ impl Resource for StreamResource {
                     out_end,
                 },
             ) {
-                // Output is an effect outside this process that cannot be
-                // taken back: the decision must be durable before it leaves,
-                // so this vote asks the coordinator to force its record.
-                Ok(_) => Vote::Yes { durable: true },
+                // Nothing of the stream is durable. Output cannot be taken
+                // back, but it needs a durable decision only when the
+                // transaction has durable effects; their votes make the
+                // coordinator force its commit record, and this resource
+                // commits (releases) only after that force.
+                Ok(_) => Vote::Yes { durable: false },
                 Err(e) => Vote::No(format!("{}: {e}", self.0.name)),
             }
         })

@@ -147,3 +147,109 @@ async fn output_outside_a_transaction_passes_and_an_aborted_one_is_dropped() {
     assert_eq!(rest, "bye\n");
     node.shutdown().await;
 }
+
+/// A resource with a durable effect: it votes `Yes { durable: true }`, as the
+/// KV store does.
+struct DurableEffect;
+
+impl weft::Resource for DurableEffect {
+    fn name(&self) -> &str {
+        "durable-effect"
+    }
+
+    fn class(&self) -> weft_tx::ParticipationClass {
+        weft_tx::ParticipationClass::TwoPhase
+    }
+
+    fn prepare<'a>(
+        &'a self,
+        _tid: weft_wire::Tid,
+        _log: &'a weft::Log,
+    ) -> futures::future::BoxFuture<'a, weft::Vote> {
+        Box::pin(async { weft::Vote::Yes { durable: true } })
+    }
+}
+
+/// A node that stops every transaction once its commit record is forced
+/// (the crash point `coordinator-after-commit-force`), a stream on it, its
+/// peer, and the stream's released bytes reported at that point.
+async fn stopping_after_the_commit_force(
+    dir: &std::path::Path,
+) -> (
+    Node,
+    Arc<TxStream>,
+    TcpStream,
+    tokio::sync::mpsc::UnboundedReceiver<u64>,
+) {
+    let slot: Arc<std::sync::OnceLock<Arc<TxStream>>> = Arc::default();
+    let (seen_tx, seen) = tokio::sync::mpsc::unbounded_channel();
+    let hook_slot = Arc::clone(&slot);
+    let hook: weft_tx::CrashHook = Arc::new(move |_, _| {
+        let released = hook_slot.get().map_or(0, |s| s.stats().released_bytes);
+        let _ = seen_tx.send(released);
+    });
+    let node = Node::builder(1)
+        .data_dir(dir)
+        .tm_config(weft::TmConfig {
+            crash_at: Some((weft_tx::CrashPoint::CoordinatorAfterCommitForce, hook)),
+            ..weft::TmConfig::default()
+        })
+        .start()
+        .await
+        .expect("node starts");
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let (srv, _) = l.accept().await.unwrap();
+    let s = Arc::new(TxStream::new(
+        srv,
+        node.tm().clone(),
+        LoggerConfig::default(),
+    ));
+    assert!(slot.set(Arc::clone(&s)).is_ok());
+    (node, s, peer, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_durable_effect_nothing_leaves_before_the_commit_record_is_forced() {
+    let dir = tempfile::tempdir().unwrap();
+    let (node, s, peer, mut seen) = stopping_after_the_commit_force(dir.path()).await;
+    let tx = node.begin();
+    s.start(tx.tid()).unwrap();
+    node.tm()
+        .enlist(tx.tid(), Arc::new(DurableEffect))
+        .expect("enlists");
+    s.write_all(b"held until the decision is durable")
+        .await
+        .unwrap();
+    // The transaction stops right after its commit record is forced: the
+    // resources have not committed, so nothing may have left.
+    let commit = tokio::spawn(tx.commit());
+    let released = seen.recv().await.expect("the commit record was forced");
+    assert_eq!(released, 0, "output left before the decision was durable");
+    assert_eq!(s.stats().released_bytes, 0);
+    assert_eq!(s.state(), ConnState::Commit);
+    commit.abort();
+    // The stopped transaction keeps the node from shutting down cleanly:
+    // it is dropped with the test (a crash, as the crash point means).
+    drop((s, peer, node));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_alone_commits_without_forcing_a_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let (node, s, peer, mut seen) = stopping_after_the_commit_force(dir.path()).await;
+    let tx = node.begin();
+    s.start(tx.tid()).unwrap();
+    s.write_all(b"nothing durable to wait for\n").await.unwrap();
+    // With no durable effect there is no commit record to force: the crash
+    // point after the force is never reached and the commit completes.
+    tokio::select! {
+        r = tx.commit() => r.unwrap(),
+        _ = seen.recv() => panic!("a commit record was forced"),
+    }
+    let mut rd = BufReader::new(peer);
+    let mut line = String::new();
+    rd.read_line(&mut line).await.unwrap();
+    assert_eq!(line, "nothing durable to wait for\n");
+    node.shutdown().await;
+}

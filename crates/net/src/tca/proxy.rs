@@ -3,11 +3,12 @@
 //! serves the `net` control service and takes part in the server's
 //! transactions as a two-phase resource.
 //!
-//! Owns the proxy's sockets and tasks, the map from transactions to
-//! connections, prepare (wait for the transaction's last server byte, log the
-//! held output, vote), commit (release to the peer) and abort (drop), and
-//! closing a peer's connection once its server is gone and nothing is
-//! pending. Must never release a held byte before the commit decision
+//! Owns the proxy's sockets and tasks (the peer's writer is the shared
+//! [`crate::writer`]), the map from transactions to
+//! connections, commit (release to the peer) and abort (drop), and closing a
+//! peer's connection once its server is gone and nothing is pending; what
+//! prepare, TX_START and recovery do beyond finding the connection is the
+//! shared [`crate::control::logger`]'s. Must never release a held byte before the commit decision
 //! reached this node, nor keep a peer connection whose server is gone once
 //! nothing undecided is held for it.
 
@@ -25,13 +26,17 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 use weft_log::{Log, LogRecord};
 use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
-use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
+use weft_tx::{ParticipationClass, Resource, TxManager, Vote};
 use weft_wire::{Failure, Status, Tid};
 
-use super::{
-    frame, ConnInfo, ConnName, NetRecord, NetRequest, NetResponse, NET_RECORD_TAG, SERVICE,
-};
+use super::{frame, ConnInfo, ConnName, NetRequest, NetResponse, SERVICE};
+pub use crate::control::logger::Undeliverable;
+use crate::control::logger::{self as shared, need_tx};
 use crate::core::{Action, ConnState, CoreError, Event, LoggerConfig, LoggerCore};
+use crate::writer::PeerWriter;
+
+/// Prefix of the proxy's messages.
+const WHO: &str = "net";
 
 /// Proxy settings.
 #[derive(Clone, Debug)]
@@ -79,13 +84,13 @@ struct Conn {
     /// Any change a waiter may care about (bytes, a decision, an end).
     progress: Notify,
     room: Notify,
-    to_peer: mpsc::Sender<Out>,
+    to_peer: PeerWriter,
     to_server: mpsc::Sender<Out>,
     server_gone: AtomicBool,
     peer_closed: AtomicBool,
     /// Of the server reader and the peer writer, how many ended: the
     /// second to end forgets the connection.
-    halves_done: AtomicU8,
+    halves_done: Arc<AtomicU8>,
 }
 
 impl Conn {
@@ -97,7 +102,7 @@ impl Conn {
         for a in actions {
             match a {
                 Action::ToPeer(b) => {
-                    let _ = self.to_peer.send(Out::Bytes(b)).await;
+                    let _ = self.to_peer.send(b).await;
                 }
                 Action::ToServer { pos, data } => {
                     for (i, part) in data.chunks(frame::MAX_PAYLOAD).enumerate() {
@@ -128,7 +133,7 @@ impl Conn {
         if self.server_gone.load(Ordering::SeqCst)
             && self.core.lock().state() == ConnState::PreTrans
         {
-            let _ = self.to_peer.send(Out::Close).await;
+            self.to_peer.close(false).await;
         }
     }
 
@@ -157,21 +162,6 @@ struct Inner {
     /// peer connection died with a previous run of this proxy (found at
     /// recovery).
     undeliverable: Mutex<Vec<Undeliverable>>,
-}
-
-/// Output a previous run of the proxy prepared and never released: its peer
-/// connection ended with that run.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Undeliverable {
-    /// The transaction.
-    pub tid: Tid,
-    /// Its connection.
-    pub conn: ConnName,
-    /// Bytes it held.
-    pub bytes: usize,
-    /// True when recovery knows it committed; false when in doubt (its
-    /// outcome arrives later).
-    pub committed: bool,
 }
 
 /// The 2CA proxy logger, a [`Plugin`] of its node.
@@ -279,7 +269,7 @@ impl Inner {
                 in_end,
                 out_end,
             } => {
-                let tid = need_tx(&ctx)?;
+                let tid = need_tx(&ctx, WHO)?;
                 let c = self.conn(&conn).await?;
                 c.step(Event::End {
                     tx: tid,
@@ -296,57 +286,40 @@ impl Inner {
                 aborted,
                 replay,
             } => {
-                let tid = need_tx(&ctx)?;
+                let tid = need_tx(&ctx, WHO)?;
                 let c = self.conn(&conn).await?;
-                let give_up = Instant::now() + self.cfg.start_wait;
-                loop {
-                    let notified = c.progress.notified();
-                    let res = {
-                        let mut core = c.core.lock();
-                        let now = Instant::now();
-                        if let Some(old) = aborted.filter(|o| core.tx() == Some(*o)) {
-                            let _ = core.step(now, Event::Abort { tx: old });
-                        }
-                        if replay {
-                            core.step(now, Event::Restart { tx: tid, out_from })
-                        } else {
-                            core.step(
-                                now,
-                                Event::Start {
-                                    tx: tid,
-                                    in_from,
-                                    out_from,
-                                },
-                            )
-                        }
+                let a = shared::when_free(WHO, &conn, self.cfg.start_wait, &c.progress, || {
+                    let mut core = c.core.lock();
+                    let now = Instant::now();
+                    if let Some(old) = aborted.filter(|o| core.tx() == Some(*o)) {
+                        let _ = core.step(now, Event::Abort { tx: old });
+                    }
+                    let res = if replay {
+                        core.step(now, Event::Restart { tx: tid, out_from })
+                    } else {
+                        core.step(
+                            now,
+                            Event::Start {
+                                tx: tid,
+                                in_from,
+                                out_from,
+                            },
+                        )
                     };
                     match res {
-                        Ok(a) => {
-                            if let Some(old) = aborted {
-                                self.by_tid.lock().remove(&old);
-                            }
-                            self.by_tid.lock().insert(tid, conn.clone());
-                            c.apply(a).await;
-                            c.pump().await;
-                            return Ok(NetResponse::Done);
-                        }
-                        Err(CoreError::Busy(prev)) => {
-                            if tokio::time::timeout_at(give_up.into(), notified)
-                                .await
-                                .is_err()
-                            {
-                                return Err(Failure::new(
-                                    Status::Unavailable,
-                                    format!(
-                                        "net: {prev} on {conn} still undecided after {:?}",
-                                        self.cfg.start_wait
-                                    ),
-                                ));
-                            }
-                        }
-                        Err(e) => return Err(e.into()),
+                        Ok(a) => Ok(Some(a)),
+                        Err(CoreError::Busy(_)) => Ok(None),
+                        Err(e) => Err(e.into()),
                     }
+                })
+                .await?;
+                if let Some(old) = aborted {
+                    self.by_tid.lock().remove(&old);
                 }
+                self.by_tid.lock().insert(tid, conn.clone());
+                c.apply(a).await;
+                c.pump().await;
+                Ok(NetResponse::Done)
             }
         }
     }
@@ -381,9 +354,9 @@ impl Inner {
 
     /// One of a connection's two ending halves (server reader, peer writer)
     /// ended; after both, nothing can reach the peer: forget it.
-    fn half_done(&self, c: &Conn) {
-        if c.halves_done.fetch_add(1, Ordering::SeqCst) == 1 {
-            self.conns.lock().remove(&c.name);
+    fn half_done(&self, name: &str, halves: &AtomicU8) {
+        if halves.fetch_add(1, Ordering::SeqCst) == 1 {
+            self.conns.lock().remove(name);
         }
     }
 
@@ -394,10 +367,15 @@ impl Inner {
         };
         let _ = peer.set_nodelay(true);
         let _ = up.set_nodelay(true);
-        let (mut peer_rd, mut peer_wr) = peer.into_split();
+        let (mut peer_rd, peer_wr) = peer.into_split();
         let (mut up_rd, mut up_wr) = up.into_split();
-        let (to_peer, mut peer_q) = mpsc::channel::<Out>(QUEUE);
         let (to_server, mut up_q) = mpsc::channel::<Out>(QUEUE);
+        let halves_done = Arc::new(AtomicU8::new(0));
+        // Peer writer: released bytes, in order.
+        let to_peer = {
+            let (inner, name, halves) = (Arc::clone(self), name.clone(), Arc::clone(&halves_done));
+            PeerWriter::spawn(peer_wr, QUEUE, move || inner.half_done(&name, &halves))
+        };
         let c = Arc::new(Conn {
             name: name.clone(),
             peer: peer_addr.to_string(),
@@ -408,29 +386,12 @@ impl Inner {
             to_server,
             server_gone: AtomicBool::new(false),
             peer_closed: AtomicBool::new(false),
-            halves_done: AtomicU8::new(0),
+            halves_done,
         });
         self.conns.lock().insert(name.clone(), Arc::clone(&c));
         self.new_conn.notify_waiters();
         tracing::debug!(conn = %name, peer = %peer_addr, "net proxy: connection");
 
-        // Peer writer: released bytes, in order.
-        let inner = Arc::clone(self);
-        let cw = Arc::clone(&c);
-        tokio::spawn(async move {
-            while let Some(o) = peer_q.recv().await {
-                match o {
-                    Out::Bytes(b) => {
-                        if peer_wr.write_all(&b).await.is_err() {
-                            break;
-                        }
-                    }
-                    Out::Close => break,
-                }
-            }
-            let _ = peer_wr.shutdown().await;
-            inner.half_done(&cw);
-        });
         // Server writer: framed peer bytes.
         tokio::spawn(async move {
             while let Some(o) = up_q.recv().await {
@@ -503,18 +464,9 @@ impl Inner {
             cs.server_gone.store(true, Ordering::SeqCst);
             cs.progress.notify_waiters();
             cs.close_if_done().await;
-            inner2.half_done(&cs);
+            inner2.half_done(&cs.name, &cs.halves_done);
         });
     }
-}
-
-fn need_tx(ctx: &CallContext) -> Result<Tid, Failure> {
-    ctx.tid().ok_or_else(|| {
-        Failure::new(
-            Status::BadRequest,
-            "net: this control message must be sent within a transaction",
-        )
-    })
 }
 
 impl Resource for ProxyResource {
@@ -531,66 +483,12 @@ impl Resource for ProxyResource {
             let Some(c) = self.0.conn_of(tid) else {
                 return Vote::ReadOnly;
             };
-            let give_up = Instant::now() + self.0.cfg.prepare_wait;
-            // Wait for the transaction's last server bytes.
-            loop {
-                let notified = c.progress.notified();
-                {
-                    let core = c.core.lock();
-                    if core.tx() != Some(tid) {
-                        return Vote::No(format!("net: {tid} no longer runs on {}", c.name));
-                    }
-                    if core.is_doomed() {
-                        return Vote::No(format!(
-                            "net: {tid} wrote more than {} bytes on {}",
-                            core.config().max_hold,
-                            c.name
-                        ));
-                    }
-                    if core.state() != ConnState::Commit {
-                        return Vote::No(format!(
-                            "net: the server did not end {tid}'s bytes on {}",
-                            c.name
-                        ));
-                    }
-                    if core.is_complete() {
-                        let mut bytes = Vec::with_capacity(core.stats().held_bytes as usize);
-                        for b in core.held() {
-                            bytes.extend_from_slice(b);
-                        }
-                        let rec = NetRecord::Prepared {
-                            tid,
-                            conn: c.name.clone(),
-                            bytes,
-                        };
-                        let payload = match postcard::to_allocvec(&rec) {
-                            Ok(p) => p,
-                            Err(e) => return Vote::No(format!("net: {e}")),
-                        };
-                        // Made durable by the transaction manager's forced
-                        // prepare record, which follows it.
-                        return match log.append(NET_RECORD_TAG, &payload) {
-                            Ok(_) => Vote::Yes { durable: true },
-                            Err(e) => Vote::No(format!("net: cannot log the held output: {e}")),
-                        };
-                    }
-                }
-                if c.server_gone.load(Ordering::SeqCst) {
-                    return Vote::No(format!(
-                        "net: the server closed {} before {tid}'s last byte",
-                        c.name
-                    ));
-                }
-                if tokio::time::timeout_at(give_up.into(), notified)
-                    .await
-                    .is_err()
-                {
-                    return Vote::No(format!(
-                        "net: {tid}'s last server bytes did not arrive within {:?}",
-                        self.0.cfg.prepare_wait
-                    ));
-                }
-            }
+            let wait = self.0.cfg.prepare_wait;
+            shared::prepare(WHO, tid, log, wait, &c.progress, || {
+                let gone = c.server_gone.load(Ordering::SeqCst);
+                shared::prepare_check(WHO, &c.core.lock(), gone, tid, &c.name)
+            })
+            .await
         })
     }
 
@@ -600,11 +498,7 @@ impl Resource for ProxyResource {
             match c.step(Event::Commit { tx: tid }) {
                 Ok(a) => {
                     c.apply(a).await;
-                    if let Some(log) = self.0.log.get() {
-                        if let Ok(p) = postcard::to_allocvec(&NetRecord::Released { tid }) {
-                            let _ = log.append(NET_RECORD_TAG, &p);
-                        }
-                    }
+                    shared::log_released(self.0.log.get(), tid);
                 }
                 Err(e) => {
                     tracing::warn!(%tid, conn = %c.name, error = %e, "net proxy: commit not applied")
@@ -664,33 +558,8 @@ impl Plugin for NetProxy {
     }
 
     fn recover(&self, tm: &TxManager, records: &[LogRecord]) -> Result<(), Failure> {
-        let mut prepared: HashMap<Tid, (ConnName, usize)> = HashMap::new();
-        for r in records.iter().filter(|r| r.tag == NET_RECORD_TAG) {
-            let rec: NetRecord = postcard::from_bytes(&r.payload)
-                .map_err(|e| plugin_failure(format!("undecodable record at {}: {e}", r.lsn)))?;
-            match rec {
-                NetRecord::Prepared { tid, conn, bytes } => {
-                    prepared.insert(tid, (conn, bytes.len()));
-                }
-                NetRecord::Released { tid } => {
-                    prepared.remove(&tid);
-                }
-            }
-        }
-        for (tid, (conn, bytes)) in prepared {
-            let committed = match tm.recovered(tid) {
-                Some(Recovered::Committed) => true,
-                Some(Recovered::InDoubt) => false,
-                _ => continue,
-            };
-            tracing::warn!(%tid, %conn, bytes, committed, "net proxy: output of a transaction lost with its peer connection (the proxy died before releasing it)");
-            self.inner.undeliverable.lock().push(Undeliverable {
-                tid,
-                conn,
-                bytes,
-                committed,
-            });
-        }
+        let lost = shared::undeliverable("net proxy", tm, records)?;
+        self.inner.undeliverable.lock().extend(lost);
         Ok(())
     }
 

@@ -218,6 +218,11 @@ impl TlaConn {
         self.server
     }
 
+    /// The logger core deciding the connection's bytes.
+    pub fn core(&self) -> &LoggerCore {
+        &self.core
+    }
+
     /// The logger core's state.
     pub fn state(&self) -> ConnState {
         self.core.state()

@@ -6,9 +6,9 @@
 //!
 //! Owns the TUN devices' reader threads, the packet task (parse, step the
 //! connection, write what it says; other traffic passes unchanged), the
-//! retransmission timer, the map from transactions to connections, prepare
-//! (wait for the transaction's last server byte, log the held output,
-//! vote), commit (release) and abort (drop). Must never release a held
+//! retransmission timer, the map from transactions to connections, commit
+//! (release) and abort (drop); what prepare, TX_START and recovery do beyond
+//! finding the connection is the shared [`crate::control::logger`]'s. Must never release a held
 //! byte before the commit decision reached this node; never keep more
 //! connections than its bound.
 
@@ -24,15 +24,18 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 use weft_log::{Log, LogRecord};
 use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
-use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
+use weft_tx::{ParticipationClass, Resource, TxManager, Vote};
 use weft_wire::{Failure, Status, Tid};
 
 use super::conn::{Out, TlaConfig, TlaConn, TlaError};
 use super::packet::{self, PacketError, ACK, SYN};
 use super::tun;
-use crate::core::{ConnState, CoreError};
-use crate::tca::proxy::Undeliverable;
-use crate::tca::{ConnInfo, NetRecord, NetRequest, NetResponse, NET_RECORD_TAG, SERVICE};
+use crate::control::logger::{self as shared, need_tx, Check, Undeliverable};
+use crate::control::{ConnInfo, NetRequest, NetResponse, SERVICE};
+use crate::core::CoreError;
+
+/// Prefix of the logger's messages.
+const WHO: &str = "tla";
 
 /// A TUN device, by name, in a network namespace (`ip netns`) or the
 /// logger's own.
@@ -331,7 +334,7 @@ impl Inner {
                 in_end,
                 out_end,
             } => {
-                let tid = need_tx(&ctx)?;
+                let tid = need_tx(&ctx, WHO)?;
                 self.with_conn(&conn, |c, now| {
                     c.end(now, tid, in_end, out_end).map(|o| ((), o))
                 })?;
@@ -344,11 +347,9 @@ impl Inner {
                 aborted,
                 replay,
             } => {
-                let tid = need_tx(&ctx)?;
+                let tid = need_tx(&ctx, WHO)?;
                 self.abort_old(&conn, aborted)?;
-                let give_up = Instant::now() + self.cfg.start_wait;
-                loop {
-                    let notified = self.progress.notified();
+                let r = shared::when_free(WHO, &conn, self.cfg.start_wait, &self.progress, || {
                     let res = self.try_conn(&conn, |c, now| {
                         if replay {
                             c.restart(now, tid, out_from)
@@ -357,30 +358,17 @@ impl Inner {
                             c.start(now, tid, in_from, out_from)
                                 .map(|o| (NetResponse::Done, o))
                         }
-                    });
-                    match res? {
-                        Ok(r) => {
-                            self.st.lock().by_tid.insert(tid, conn_key(&conn)?);
-                            self.progress.notify_waiters();
-                            return Ok(r);
-                        }
-                        Err(TlaError::Core(CoreError::Busy(_))) => {
-                            if tokio::time::timeout_at(give_up.into(), notified)
-                                .await
-                                .is_err()
-                            {
-                                return Err(Failure::new(
-                                    Status::Unavailable,
-                                    format!(
-                                        "tla: the previous transaction on {conn} is still undecided after {:?}",
-                                        self.cfg.start_wait
-                                    ),
-                                ));
-                            }
-                        }
-                        Err(e) => return Err(tla_failure(e)),
+                    })?;
+                    match res {
+                        Ok(r) => Ok(Some(r)),
+                        Err(TlaError::Core(CoreError::Busy(_))) => Ok(None),
+                        Err(e) => Err(tla_failure(e)),
                     }
-                }
+                })
+                .await?;
+                self.st.lock().by_tid.insert(tid, conn_key(&conn)?);
+                self.progress.notify_waiters();
+                Ok(r)
             }
         }
     }
@@ -388,15 +376,6 @@ impl Inner {
     fn conn_of(&self, tid: Tid) -> Option<SocketAddrV4> {
         self.st.lock().by_tid.get(&tid).copied()
     }
-}
-
-fn need_tx(ctx: &CallContext) -> Result<Tid, Failure> {
-    ctx.tid().ok_or_else(|| {
-        Failure::new(
-            Status::BadRequest,
-            "tla: this control message must be sent within a transaction",
-        )
-    })
 }
 
 impl Resource for TlaResource {
@@ -413,66 +392,19 @@ impl Resource for TlaResource {
             let Some(key) = self.0.conn_of(tid) else {
                 return Vote::ReadOnly;
             };
-            let give_up = Instant::now() + self.0.cfg.prepare_wait;
-            loop {
-                let notified = self.0.progress.notified();
-                {
-                    let st = self.0.st.lock();
-                    let Some(c) = st.conns.get(&key) else {
-                        return Vote::No(format!("tla: the connection from {key} is gone"));
-                    };
-                    if c.tx() != Some(tid) {
-                        return Vote::No(format!("tla: {tid} no longer runs on {key}"));
+            let wait = self.0.cfg.prepare_wait;
+            shared::prepare(WHO, tid, log, wait, &self.0.progress, || {
+                let st = self.0.st.lock();
+                match st.conns.get(&key) {
+                    None => {
+                        Check::Vote(Vote::No(format!("tla: the connection from {key} is gone")))
                     }
-                    if c.is_doomed() {
-                        return Vote::No(format!(
-                            "tla: {tid} wrote more than {} bytes on {key}",
-                            c.config().max_hold
-                        ));
-                    }
-                    if c.state() != ConnState::Commit {
-                        return Vote::No(format!(
-                            "tla: the server did not end {tid}'s bytes on {key}"
-                        ));
-                    }
-                    if c.is_complete() {
-                        let mut bytes = Vec::with_capacity(c.stats().held_bytes as usize);
-                        for b in c.held() {
-                            bytes.extend_from_slice(b);
-                        }
-                        let rec = NetRecord::Prepared {
-                            tid,
-                            conn: key.to_string(),
-                            bytes,
-                        };
-                        drop(st);
-                        let payload = match postcard::to_allocvec(&rec) {
-                            Ok(p) => p,
-                            Err(e) => return Vote::No(format!("tla: {e}")),
-                        };
-                        // Made durable by the transaction manager's forced
-                        // prepare record, which follows it.
-                        return match log.append(NET_RECORD_TAG, &payload) {
-                            Ok(_) => Vote::Yes { durable: true },
-                            Err(e) => Vote::No(format!("tla: cannot log the held output: {e}")),
-                        };
-                    }
-                    if c.server_gone() {
-                        return Vote::No(format!(
-                            "tla: the server closed {key} before {tid}'s last byte"
-                        ));
+                    Some(c) => {
+                        shared::prepare_check(WHO, c.core(), c.server_gone(), tid, &key.to_string())
                     }
                 }
-                if tokio::time::timeout_at(give_up.into(), notified)
-                    .await
-                    .is_err()
-                {
-                    return Vote::No(format!(
-                        "tla: {tid}'s last server bytes did not arrive within {:?}",
-                        self.0.cfg.prepare_wait
-                    ));
-                }
-            }
+            })
+            .await
         })
     }
 
@@ -485,13 +417,7 @@ impl Resource for TlaResource {
                 c.commit(now, tid).map(|o| ((), o))
             });
             match res {
-                Ok(()) => {
-                    if let Some(log) = self.0.log.get() {
-                        if let Ok(p) = postcard::to_allocvec(&NetRecord::Released { tid }) {
-                            let _ = log.append(NET_RECORD_TAG, &p);
-                        }
-                    }
-                }
+                Ok(()) => shared::log_released(self.0.log.get(), tid),
                 Err(e) => tracing::warn!(%tid, peer = %key, error = %e, "tla: commit not applied"),
             }
             self.0.st.lock().by_tid.remove(&tid);
@@ -575,33 +501,8 @@ impl Plugin for TlaLogger {
     }
 
     fn recover(&self, tm: &TxManager, records: &[LogRecord]) -> Result<(), Failure> {
-        let mut prepared: HashMap<Tid, (String, usize)> = HashMap::new();
-        for r in records.iter().filter(|r| r.tag == NET_RECORD_TAG) {
-            let rec: NetRecord = postcard::from_bytes(&r.payload)
-                .map_err(|e| plugin_failure(format!("undecodable record at {}: {e}", r.lsn)))?;
-            match rec {
-                NetRecord::Prepared { tid, conn, bytes } => {
-                    prepared.insert(tid, (conn, bytes.len()));
-                }
-                NetRecord::Released { tid } => {
-                    prepared.remove(&tid);
-                }
-            }
-        }
-        for (tid, (conn, bytes)) in prepared {
-            let committed = match tm.recovered(tid) {
-                Some(Recovered::Committed) => true,
-                Some(Recovered::InDoubt) => false,
-                _ => continue,
-            };
-            tracing::warn!(%tid, %conn, bytes, committed, "tla: output of a transaction lost with its connection's mapping (the logger died before releasing it)");
-            self.inner.undeliverable.lock().push(Undeliverable {
-                tid,
-                conn,
-                bytes,
-                committed,
-            });
-        }
+        let lost = shared::undeliverable("tla logger", tm, records)?;
+        self.inner.undeliverable.lock().extend(lost);
         Ok(())
     }
 
