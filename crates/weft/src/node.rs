@@ -523,6 +523,14 @@ impl Node {
         let log = &inner.log;
         // Everything appended so far is covered by the snapshots taken below.
         let mut keep = log.end_lsn();
+        // The log lets go only of durable records: force those the checkpoint may drop. (A
+        // node whose plugins hold no log position, e.g. one serving only network streams
+        // whose records were never forced, otherwise failed every checkpoint with NotDurable.)
+        let last = log.last_lsn();
+        if last.get() > 0 {
+            log.force_blocking(last)
+                .map_err(|e| Failure::new(Status::Internal, format!("log force: {e}")))?;
+        }
         for p in &inner.plugins {
             if let Some(lsn) = p.checkpoint(log)? {
                 keep = keep.min(lsn);
@@ -557,6 +565,28 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_lets_go_of_records_nobody_forced() {
+        // A node with no plugin: nothing holds a log position, so the checkpoint keeps only
+        // what the transaction manager needs, here nothing, and must first make durable
+        // the records it drops (appended and never forced, as a non-durable vote leaves them).
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let node = Node::builder(1)
+            .data_dir(dir.path())
+            .start()
+            .await
+            .expect("node starts");
+        let last = node
+            .log()
+            .append(weft_log::RecordTag(0x7e57), b"unforced")
+            .expect("append");
+        assert!(node.log().durable_lsn() < last, "not forced yet");
+        let first = node.checkpoint().expect("the checkpoint succeeds");
+        assert!(node.log().durable_lsn() >= last);
+        assert!(first > last, "the log now starts past the record");
+        node.shutdown().await;
+    }
 
     #[test]
     fn only_temp_dirs_of_dead_processes_are_swept() {
