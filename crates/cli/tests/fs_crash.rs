@@ -1,7 +1,8 @@
 //! Transactional files, crash atomicity with real processes: one
 //! transaction, begun at node 1, changes several files on node 1's volume
 //! and on node 2's (new files, a range write into an existing file, a
-//! rename across directories, a delete, a mkdir). One node is stopped at a
+//! rename across directories, a directory renamed with a tree in it, a
+//! delete, a mkdir). One node is stopped at a
 //! named point (a commit-protocol crash point, or a step of applying the
 //! file commit), killed with SIGKILL and restarted from its data directory
 //! and volume. Each volume must then hold either every change or none,
@@ -122,6 +123,8 @@ impl Cluster {
                 None,
             );
             self.fs(&tid, &["rm", "--at", at, "doomed.txt"], None);
+            // A directory with a tree in it, renamed into another one.
+            self.fs(&tid, &["mv", "--at", at, "olddir", "d/newdir"], None);
             self.fs(
                 &tid,
                 &["put", "--at", at, "rewritten.txt"],
@@ -191,6 +194,9 @@ fn seed_volume(vol: &Path) {
     std::fs::create_dir_all(vol.join("src")).unwrap();
     std::fs::write(vol.join("src/moved.txt"), "moved").unwrap();
     std::fs::write(vol.join("doomed.txt"), "doomed").unwrap();
+    std::fs::create_dir_all(vol.join("olddir/deep")).unwrap();
+    std::fs::write(vol.join("olddir/x.txt"), "x").unwrap();
+    std::fs::write(vol.join("olddir/deep/y.txt"), "y").unwrap();
     std::fs::write(vol.join("rewritten.txt"), "original content").unwrap();
     std::fs::write(vol.join("patched.txt"), "original content").unwrap();
     std::fs::write(vol.join("large.bin"), vec![7u8; 8 << 20]).unwrap();
@@ -201,6 +207,10 @@ fn before() -> BTreeMap<String, Vec<u8>> {
     m.insert("src/".into(), vec![]);
     m.insert("src/moved.txt".into(), b"moved".to_vec());
     m.insert("doomed.txt".into(), b"doomed".to_vec());
+    m.insert("olddir/".into(), vec![]);
+    m.insert("olddir/x.txt".into(), b"x".to_vec());
+    m.insert("olddir/deep/".into(), vec![]);
+    m.insert("olddir/deep/y.txt".into(), b"y".to_vec());
     m.insert("rewritten.txt".into(), b"original content".to_vec());
     m.insert("patched.txt".into(), b"original content".to_vec());
     m.insert("large.bin".into(), vec![7u8; 8 << 20]);
@@ -213,6 +223,10 @@ fn after() -> BTreeMap<String, Vec<u8>> {
     m.insert("d/".into(), vec![]);
     m.insert("d/inner".into(), b"inner".to_vec());
     m.insert("d/moved.txt".into(), b"moved".to_vec());
+    m.insert("d/newdir/".into(), vec![]);
+    m.insert("d/newdir/x.txt".into(), b"x".to_vec());
+    m.insert("d/newdir/deep/".into(), vec![]);
+    m.insert("d/newdir/deep/y.txt".into(), b"y".to_vec());
     m.insert("new.txt".into(), b"new file".to_vec());
     m.insert("big.bin".into(), big());
     m.insert("rewritten.txt".into(), b"rewritten".to_vec());

@@ -25,7 +25,7 @@ use crate::api::{
     DirEntry, FsError, FsOp, FsRecord, FsReply, FsRequest, FsResponse, Meta, ReadMode,
     FS_RECORD_TAG,
 };
-use crate::volume::{CommitHook, Prepared, Volume, VolumeLimits};
+use crate::volume::{CommitHook, Prepared, Published, Volume, VolumeLimits};
 
 /// The name the service registers under.
 pub const SERVICE: &str = "fs";
@@ -345,21 +345,34 @@ impl Resource for Participant {
     fn commit(&self, tid: Tid) -> BoxFuture<'_, ()> {
         let inner = Arc::clone(&self.0);
         Box::pin(async move {
-            let run = move || {
-                for v in inner.volumes.values() {
-                    v.commit(tid, inner.hook.as_ref(), inner.log.get());
+            let publish = {
+                let inner = Arc::clone(&inner);
+                move || {
+                    inner
+                        .volumes
+                        .values()
+                        .filter_map(|v| v.publish(tid, inner.hook.as_ref()).map(|p| (v.clone(), p)))
+                        .collect::<Vec<_>>()
                 }
             };
-            // The commit record is durable: applying (writes, renames and
-            // forces of every file) runs in the background, off the
-            // runtime's threads, so the transaction manager goes on. The
-            // branch keeps its locks until it is applied, so the next
-            // transaction touching these files waits for it.
+            let finish = move |published: Vec<(Volume, Published)>| {
+                for (v, p) in published {
+                    v.finish(p, inner.hook.as_ref(), inner.log.get());
+                }
+            };
+            // The commit record is durable. The changes are published
+            // (renamed in, written in place: visible to every reader) before
+            // this returns, so the transaction manager answers the
+            // committer only once they show; making them durable (forces of
+            // every file and directory, then the Applied record) runs in
+            // the background. The branch keeps its locks until then, so the
+            // next transaction touching these files waits for it.
             match tokio::runtime::Handle::try_current() {
                 Ok(h) => {
-                    h.spawn_blocking(run);
+                    let published = h.spawn_blocking(publish).await.unwrap_or_default();
+                    h.spawn_blocking(move || finish(published));
                 }
-                Err(_) => run(),
+                Err(_) => finish(publish()),
             }
         })
     }
@@ -768,6 +781,30 @@ impl VolumeRef {
         let mut f = std::fs::File::open(source).map_err(|e| FsError::io(source.display(), &e))?;
         self.create(tx, path, false).await?;
         self.write_from(tx, path, 0, &mut f).await
+    }
+
+    /// Makes `path` hold the local file `source`, which is consumed: on a
+    /// local volume it is moved into the staging area (renamed when on the
+    /// volume's file system, nothing copied); remotely it is streamed like
+    /// [`VolumeRef::put_file`] and then removed. Returns the bytes.
+    ///
+    /// Fails like [`VolumeRef::put_file`].
+    pub async fn take_file(
+        &self,
+        tx: &TxContext,
+        path: &str,
+        source: &Path,
+    ) -> Result<u64, FsError> {
+        if let Target::Local(fs) = &self.target {
+            fs.enlist(tx.tid)?;
+            return fs
+                .volume(&self.volume)?
+                .take_file(&tx.xid(), path, source)
+                .await;
+        }
+        let n = self.put_file(tx, path, source).await?;
+        let _ = std::fs::remove_file(source);
+        Ok(n)
     }
 
     /// Streams the file `path` into `out` in bounded chunks. Returns the

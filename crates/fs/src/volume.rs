@@ -123,8 +123,12 @@ struct Branch {
     removed: BTreeSet<VPath>,
     staged_bytes: u64,
     open: HashMap<VPath, u32>,
-    sub_writers: HashSet<SubPath>,
-    doomed: Option<String>,
+    /// The sub-transaction whose operation runs now (top for the
+    /// transaction itself).
+    cur: SubPath,
+    /// For each sub-transaction that changed names here: the state each
+    /// name it touched had before it first did, to put back if it aborts.
+    undo: BTreeMap<SubPath, BTreeMap<VPath, Saved>>,
     state: BranchState,
     /// Set once prepared: the plan and its record's position.
     plan: Option<(Plan, u64)>,
@@ -133,6 +137,13 @@ struct Branch {
     /// Rebuilt from the log after a restart: staging copies of inline data
     /// may have been lost with the machine, so commit rewrites them.
     recovered: bool,
+}
+
+/// How a name was in a branch before a sub-transaction changed it.
+#[derive(Clone, Debug, Default)]
+struct Saved {
+    node: Option<Node>,
+    removed: bool,
 }
 
 /// What a name is in a view.
@@ -373,8 +384,8 @@ impl Volume {
                     removed: BTreeSet::new(),
                     staged_bytes: 0,
                     open: HashMap::new(),
-                    sub_writers: HashSet::new(),
-                    doomed: None,
+                    cur: SubPath::top(),
+                    undo: BTreeMap::new(),
                     state: BranchState::Active,
                     plan: None,
                     applying: false,
@@ -419,9 +430,7 @@ impl Volume {
                 xid.tid, self.inner.name
             )));
         }
-        if !xid.path.is_top() {
-            b.sub_writers.insert(xid.path.clone());
-        }
+        b.cur = xid.path.clone();
         f(self, &mut b)
     }
 
@@ -514,6 +523,7 @@ impl Volume {
             }
             v.check_changes(b)?;
             Self::ensure_stage(b)?;
+            v.note(b, &p)?;
             let id = match b.entries.get(&p) {
                 Some(Node::File(FileNode::Staged { id, .. })) => *id,
                 _ => Self::new_id(b),
@@ -551,6 +561,7 @@ impl Volume {
         offset: u64,
         data: &[u8],
     ) -> Result<(), FsError> {
+        self.note(b, p)?;
         let mut node = self.writable(b, p)?;
         let end = offset
             .checked_add(data.len() as u64)
@@ -606,6 +617,7 @@ impl Volume {
         let p = self.name_of(path)?;
         self.lock(xid.tid, &p, Mode::Exclusive).await?;
         self.with_branch(xid, |v, b| {
+            v.note(b, &p)?;
             let mut node = v.writable(b, &p)?;
             if !b.entries.contains_key(&p) {
                 v.check_changes(b)?;
@@ -649,6 +661,7 @@ impl Volume {
                 _ => {}
             }
             v.check_changes(b)?;
+            v.note(b, &p)?;
             if let Some(Node::File(FileNode::Staged { id, .. })) = b.entries.remove(&p) {
                 let _ = fs::remove_file(b.stage.join(format!("n{id}")));
             }
@@ -665,15 +678,27 @@ impl Volume {
         Ok(())
     }
 
-    /// Renames the file `from` to `to` (also across directories), replacing
-    /// a file at `to`. Directories cannot be renamed yet.
+    /// Renames the file or directory `from` to `to` (also across
+    /// directories). A file replaces a file at `to`; a directory replaces
+    /// nothing but an empty directory, and takes everything in it along
+    /// (see [`Volume::rename_dir`]).
     ///
     /// Fails with NotFound (no `from`, or no directory for `to`),
-    /// Unsupported for a directory, IsADirectory when `to` is one, and like
-    /// [`Volume::create`].
+    /// IsADirectory when a file would replace a directory, and like
+    /// [`Volume::create`] and [`Volume::rename_dir`].
     pub async fn rename(&self, xid: &Xid, from: &str, to: &str) -> Result<(), FsError> {
         let f = self.name_of(from)?;
         let t = self.name_of(to)?;
+        if f != t {
+            let b = self.existing_branch(xid.tid);
+            let is_dir = matches!(
+                self.seen(b.as_ref().map(|b| b.lock()).as_deref(), &f)?,
+                Seen::Dir
+            );
+            if is_dir {
+                return self.rename_dir(xid, f, t).await;
+            }
+        }
         if f == t {
             // Renaming a file onto itself changes nothing, if it exists.
             self.lock(xid.tid, &f, Mode::Shared).await?;
@@ -685,7 +710,6 @@ impl Volume {
                 &f,
             )? {
                 Seen::Absent => Err(FsError::NotFound(f.to_string())),
-                Seen::Dir => Err(FsError::Unsupported(format!("{f}: renaming a directory"))),
                 _ => Ok(()),
             };
         }
@@ -694,12 +718,16 @@ impl Volume {
         self.lock_entry(xid.tid, a).await?;
         self.lock_entry(xid.tid, z).await?;
         self.with_branch(xid, |v, b| {
+            v.note(b, &f)?;
+            v.note(b, &t)?;
             let node = match v.seen(Some(b), &f)? {
                 Seen::Absent => return Err(FsError::NotFound(f.to_string())),
                 Seen::Dir => {
+                    // Made a directory by another call of this transaction
+                    // since the check above.
                     return Err(FsError::Unsupported(format!(
-                        "{f}: renaming a directory (move its files instead)"
-                    )))
+                        "{f}: became a directory while being renamed"
+                    )));
                 }
                 Seen::File(n) => Node::File(n),
                 Seen::Committed(len) => Node::File(FileNode::Patched {
@@ -741,6 +769,166 @@ impl Volume {
         })
     }
 
+    /// Renames the directory `f` to `t` with everything in it (the
+    /// transaction's view of it: committed entries and its own changes).
+    /// Each entry moves like a renamed file (a committed file goes through
+    /// the staging area by rename, never copied; a directory is made under
+    /// the new name and removed under the old), so the plan holds only
+    /// steps the commit and recovery already replay idempotently; the cost
+    /// is one step per entry. Locks: the old and new names, every directory
+    /// below exclusively (so no entry can appear in them meanwhile) and
+    /// every file below.
+    ///
+    /// Fails with BadPath when `t` is inside `f`, AlreadyExists when `t` is
+    /// a directory that is not empty, NotADirectory when `t` is something
+    /// else, Unsupported when an entry below cannot be moved (a special
+    /// file, a name that is not UTF-8), and like [`Volume::create`].
+    async fn rename_dir(&self, xid: &Xid, f: VPath, t: VPath) -> Result<(), FsError> {
+        if t.is_within(&f) {
+            return Err(FsError::BadPath(format!(
+                "{t}: cannot move the directory {f} inside itself"
+            )));
+        }
+        let (a, z) = if f < t { (&f, &t) } else { (&t, &f) };
+        self.lock_entry(xid.tid, a).await?;
+        self.lock_entry(xid.tid, z).await?;
+        // Lock the tree, directories before what is in them.
+        let mut stack = vec![f.clone()];
+        while let Some(d) = stack.pop() {
+            self.lock(xid.tid, &d, Mode::Exclusive).await?;
+            let children = {
+                let b = self.existing_branch(xid.tid);
+                let g = b.as_ref().map(|b| b.lock());
+                self.tree_entries(g.as_deref(), &d)?
+            };
+            for (name, kind) in children {
+                let c = d.join(&name);
+                if kind == FileKind::Dir {
+                    stack.push(c);
+                } else {
+                    self.lock(xid.tid, &c, Mode::Exclusive).await?;
+                }
+            }
+        }
+        self.with_branch(xid, |v, b| {
+            if !matches!(v.seen(Some(b), &f)?, Seen::Dir) {
+                return Err(FsError::NotFound(f.to_string()));
+            }
+            v.parent_is_dir(b, &t)?;
+            match v.seen(Some(b), &t)? {
+                Seen::Absent => {}
+                Seen::Dir => {
+                    if !v.list_in(Some(b), &t)?.is_empty() {
+                        return Err(FsError::AlreadyExists(format!(
+                            "{t}: a directory that is not empty"
+                        )));
+                    }
+                    v.note(b, &t)?;
+                    b.entries.remove(&t);
+                    v.remove_committed(b, &t)?;
+                }
+                _ => return Err(FsError::NotADirectory(t.to_string())),
+            }
+            // Everything to move, parents first (all of it is locked).
+            let mut all = vec![(f.clone(), FileKind::Dir)];
+            let mut i = 0;
+            while i < all.len() {
+                let (d, k) = all[i].clone();
+                if k == FileKind::Dir {
+                    for (name, kind) in v.tree_entries(Some(b), &d)? {
+                        all.push((d.join(&name), kind));
+                    }
+                }
+                i += 1;
+            }
+            if b.entries.len() + b.removed.len() + 2 * all.len() > v.inner.limits.max_changes {
+                return Err(FsError::TooLarge(format!(
+                    "renaming {f} changes {} names (at most {} per transaction)",
+                    2 * all.len(),
+                    v.inner.limits.max_changes
+                )));
+            }
+            let moved = |p: &VPath| {
+                let rest = &p.as_str()[f.as_str().len()..];
+                VPath::parse(&format!("{}{rest}", t.as_str()))
+            };
+            for (old, kind) in &all {
+                let new = moved(old)?;
+                v.note(b, old)?;
+                v.note(b, &new)?;
+                let node = match v.seen(Some(b), old)? {
+                    Seen::Dir => Node::Dir,
+                    Seen::File(n) => Node::File(n),
+                    Seen::Committed(len) => Node::File(FileNode::Patched {
+                        base: old.clone(),
+                        base_len: len,
+                        min_len: len,
+                        len,
+                        rid: None,
+                        rlen: 0,
+                        extents: BTreeMap::new(),
+                    }),
+                    Seen::NewLink(target) => Node::Link(target),
+                    Seen::Symlink => {
+                        let target = fs::read_link(v.disk(old)?).map_err(io_err(old))?;
+                        Node::Link(target.to_string_lossy().to_string())
+                    }
+                    Seen::Absent | Seen::Other => {
+                        return Err(FsError::Unsupported(format!(
+                            "{old}: a {kind:?} that cannot be moved"
+                        )))
+                    }
+                };
+                b.entries.remove(old);
+                v.remove_committed(b, old)?;
+                // Moved back where it came from: the committed directory or
+                // file is the same one again, not a removal and a remake.
+                let back = match &node {
+                    Node::Dir => matches!(v.committed(&new)?, Seen::Dir),
+                    Node::File(FileNode::Patched { base, .. }) => *base == new,
+                    _ => false,
+                };
+                if back {
+                    b.removed.remove(&new);
+                }
+                b.entries.insert(new, node);
+            }
+            Ok(())
+        })
+    }
+
+    /// The entries of the directory `d` in a view, with their kinds, for a
+    /// directory rename: fails with Unsupported when the directory on disk
+    /// holds something no view shows (a name that is not UTF-8) or that
+    /// cannot be moved (a special file), since removing the old directory
+    /// at commit would then fail.
+    fn tree_entries(
+        &self,
+        b: Option<&Branch>,
+        d: &VPath,
+    ) -> Result<Vec<(String, FileKind)>, FsError> {
+        if let Ok(rd) = fs::read_dir(self.disk(d)?) {
+            for e in rd.flatten() {
+                if e.file_name().to_str().is_none() {
+                    return Err(FsError::Unsupported(format!(
+                        "{d}: holds a name that is not UTF-8"
+                    )));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for e in self.list_in(b, d)? {
+            if e.meta.kind == FileKind::Other {
+                return Err(FsError::Unsupported(format!(
+                    "{d}/{}: a special file cannot be moved",
+                    e.name
+                )));
+            }
+            out.push((e.name, e.meta.kind));
+        }
+        Ok(out)
+    }
+
     /// Creates the symbolic link `path` pointing to `target` (stored as
     /// given; weft itself never follows it).
     ///
@@ -759,6 +947,7 @@ impl Volume {
                 return Err(FsError::AlreadyExists(p.to_string()));
             }
             v.check_changes(b)?;
+            v.note(b, &p)?;
             b.entries.insert(p.clone(), Node::Link(target.to_string()));
             Ok(())
         })
@@ -777,6 +966,7 @@ impl Volume {
                 return Err(FsError::AlreadyExists(p.to_string()));
             }
             v.check_changes(b)?;
+            v.note(b, &p)?;
             b.entries.insert(p.clone(), Node::Dir);
             Ok(())
         })
@@ -799,6 +989,7 @@ impl Volume {
                 return Err(FsError::DirectoryNotEmpty(p.to_string()));
             }
             v.check_changes(b)?;
+            v.note(b, &p)?;
             b.entries.remove(&p);
             v.remove_committed(b, &p)?;
             Ok(())
@@ -1105,6 +1296,46 @@ impl Volume {
         })
     }
 
+    /// Makes `path` hold the local file `source` (created or replaced) by
+    /// moving `source` into the staging area: a rename when it is on the
+    /// volume's file system (nothing copied), a copy otherwise. `source` is
+    /// gone afterwards (`weft run` hands over the files of its scratch
+    /// area this way). Returns the number of bytes.
+    ///
+    /// Fails like [`Volume::put_file`], and with Unsupported when `source`
+    /// is not a regular file.
+    pub async fn take_file(&self, xid: &Xid, path: &str, source: &Path) -> Result<u64, FsError> {
+        let meta = fs::symlink_metadata(source).map_err(io_err(source.display()))?;
+        if !meta.is_file() {
+            return Err(FsError::Unsupported(format!(
+                "{}: not a regular file",
+                source.display()
+            )));
+        }
+        let size = meta.len();
+        self.create(xid, path, false).await?;
+        let p = self.name_of(path)?;
+        self.with_branch(xid, |v, b| {
+            v.charge(b, size)?;
+            let Some(Node::File(FileNode::Staged { id, .. })) = b.entries.get(&p).cloned() else {
+                return Err(FsError::Io(format!("{p}: created file not staged")));
+            };
+            let dst = b.stage.join(format!("n{id}"));
+            let n = match fs::rename(source, &dst) {
+                Ok(()) => size,
+                Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                    let n = fs::copy(source, &dst).map_err(io_err(&p))?;
+                    let _ = fs::remove_file(source);
+                    n
+                }
+                Err(e) => return Err(FsError::io(&p, &e)),
+            };
+            b.entries
+                .insert(p.clone(), Node::File(FileNode::Staged { id, len: n }));
+            Ok(n)
+        })
+    }
+
     /// Streams the file `path` (transaction's view) into `out`, in bounded
     /// chunks, under one read lock of `mode`. Returns the number of bytes.
     ///
@@ -1150,18 +1381,16 @@ impl Volume {
             // Asked again (a repeated prepare): the plan is logged already.
             return Ok(Prepared::Already);
         }
-        if let Some(why) = b.doomed.clone() {
-            drop(b);
-            self.drop_branch(tid);
-            return Err(why);
-        }
         if b.entries.is_empty() && b.removed.is_empty() {
             drop(b);
             self.drop_branch(tid);
             return Ok(Prepared::ReadOnly);
         }
         b.state = BranchState::Prepared;
-        match self.plan(&b) {
+        let started = std::time::Instant::now();
+        let planned = self.plan(&b);
+        tracing::debug!(%tid, volume = %self.inner.name, ms = started.elapsed().as_secs_f64() * 1e3, "fs: prepared");
+        match planned {
             Ok(plan) => {
                 self.inner.locks.release_shared(tid);
                 b.open.clear();
@@ -1185,7 +1414,23 @@ impl Volume {
     fn plan(&self, b: &Branch) -> Result<Plan, FsError> {
         let mut plan = Plan::default();
         let mut bases = BTreeSet::new();
-        let mut inline_left = self.inner.limits.max_inline_bytes;
+        // Inline only when all of it fits: a transaction larger than that
+        // forces its data in the staging area once, where part of it inline
+        // would be written twice (in the log, then forced in its file).
+        let staged: u64 = b
+            .entries
+            .values()
+            .map(|n| match n {
+                Node::File(FileNode::Staged { len, .. }) => *len,
+                Node::File(FileNode::Patched { rlen, .. }) => *rlen,
+                _ => 0,
+            })
+            .sum();
+        let mut inline_left = if staged <= self.inner.limits.max_inline_bytes {
+            self.inner.limits.max_inline_bytes
+        } else {
+            0
+        };
         let mut to_sync: Vec<PathBuf> = Vec::new();
         let mut growth = 0u64;
         let mut next = b.next_id;
@@ -1284,31 +1529,32 @@ impl Volume {
         // the names that find it; inline data needs nothing on disk (the
         // record, forced by the transaction manager, carries it).
         if !to_sync.is_empty() {
-            for f in &to_sync {
-                File::open(f)
-                    .and_then(|f| f.sync_all())
-                    .map_err(io_err(f.display()))?;
-            }
-            sync_dir(&b.stage).map_err(io_err(b.stage.display()))?;
-            sync_dir(&self.inner.stage_root).map_err(io_err(self.inner.stage_root.display()))?;
+            let marker = self.inner.root.join(RESERVED).join(FORCE_MARK);
+            force_all(
+                &to_sync,
+                [b.stage.as_path(), self.inner.stage_root.as_path()],
+                &marker,
+            )
+            .map_err(io_err(b.stage.display()))?;
         }
         Ok(plan)
     }
 
-    /// Phase two, commit: applies the prepared plan and makes it durable,
-    /// releases the locks, then logs that it is applied and removes the
-    /// staging area once that record is durable. Retries on I/O errors
-    /// (the outcome is final) a few times, then leaves the branch for
-    /// recovery and logs the error.
-    pub(crate) fn commit(&self, tid: Tid, hook: Option<&CommitHook>, log: Option<&Log>) {
+    /// Phase two, commit, first half: applies the prepared plan so that
+    /// every change is visible under its public name (phase A, forced when
+    /// it removed anything, then phase B: renames in, in-place patches; no
+    /// forces). The branch keeps its locks. Retries on I/O errors (the
+    /// outcome is final) a few times, then leaves the branch for recovery,
+    /// logs the error and returns None. Finish with [`Volume::finish`].
+    pub(crate) fn publish(&self, tid: Tid, hook: Option<&CommitHook>) -> Option<Published> {
         let Some(b) = self.existing_branch(tid) else {
             self.inner.locks.release_all(tid);
-            return;
+            return None;
         };
         let (plan, stage, recovered) = {
             let mut b = b.lock();
             if b.applying {
-                return; // a repeated commit: the first one applies
+                return None; // a repeated commit: the first one applies
             }
             b.applying = true;
             match &b.plan {
@@ -1317,14 +1563,22 @@ impl Volume {
                     // Not prepared here (one-phase end of an empty branch).
                     drop(b);
                     self.drop_branch(tid);
-                    return;
+                    return None;
                 }
             }
         };
         let mut tries = 0;
+        let started = std::time::Instant::now();
         loop {
-            match apply(&self.inner.root, &stage, &plan, recovered, hook) {
-                Ok(()) => break,
+            match publish(&self.inner.root, &stage, &plan, recovered, hook) {
+                Ok(to_force) => {
+                    tracing::debug!(%tid, volume = %self.inner.name, ms = started.elapsed().as_secs_f64() * 1e3, "fs: published");
+                    return Some(Published {
+                        tid,
+                        stage,
+                        to_force,
+                    });
+                }
                 Err(e) if tries < 3 => {
                     tries += 1;
                     tracing::warn!(%tid, volume = %self.inner.name, error = %e, "fs: applying a commit failed; retrying");
@@ -1333,13 +1587,43 @@ impl Volume {
                 Err(e) => {
                     tracing::error!(%tid, volume = %self.inner.name, error = %e, "fs: cannot apply a committed transaction; the next start retries it");
                     self.branch_ended();
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Phase two, second half: makes what [`Volume::publish`] did durable
+    /// (every file and directory it changed, with as few journal commits as
+    /// the file system allows), releases the locks, then logs that the plan
+    /// is applied and removes the staging area once that record is
+    /// durable. On repeated I/O errors leaves the branch for recovery.
+    pub(crate) fn finish(&self, p: Published, hook: Option<&CommitHook>, log: Option<&Log>) {
+        let tid = p.tid;
+        let mut tries = 0;
+        let started = std::time::Instant::now();
+        loop {
+            match p.to_force.force() {
+                Ok(()) => break,
+                Err(e) if tries < 3 => {
+                    tries += 1;
+                    tracing::warn!(%tid, volume = %self.inner.name, error = %e, "fs: forcing a commit failed; retrying");
+                    std::thread::sleep(Duration::from_millis(50 << tries));
+                }
+                Err(e) => {
+                    tracing::error!(%tid, volume = %self.inner.name, error = %e, "fs: cannot force a committed transaction; the next start applies it again");
+                    self.branch_ended();
                     return;
                 }
             }
         }
+        tracing::debug!(%tid, volume = %self.inner.name, ms = started.elapsed().as_secs_f64() * 1e3, "fs: forced");
+        if let Some(h) = hook {
+            h("applied");
+        }
         self.inner.branches.lock().remove(&tid);
         self.inner.locks.release_all(tid);
-        self.applied(tid, &stage, log);
+        self.applied(tid, &p.stage, log);
         self.branch_ended();
     }
 
@@ -1387,22 +1671,120 @@ impl Volume {
         self.branch_ended();
     }
 
-    /// A sub-transaction ended; an aborted one that changed files here
-    /// dooms the branch (this store does not undo part of a branch yet):
-    /// its prepare votes No.
+    /// A sub-transaction ended. Committed: what it changed passes to its
+    /// parent (the parent's undo keeps, for each name, the oldest state).
+    /// Aborted: every name it (or a sub-transaction of it) changed here is
+    /// put back as it was before, deepest first; the parent goes on and may
+    /// still commit (QuickSilver's nested transactions). Locks stay with
+    /// the transaction.
     pub(crate) fn sub_ended(&self, tid: Tid, path: &SubPath, committed: bool) {
-        if committed {
+        if path.is_top() {
             return;
         }
-        if let Some(b) = self.existing_branch(tid) {
-            let mut b = b.lock();
-            if b.sub_writers.iter().any(|w| path.is_ancestor_or_self(w)) {
-                b.doomed = Some(format!(
-                    "fs volume {}: sub-transaction {path:?} changed files and aborted",
-                    self.inner.name
-                ));
+        let Some(b) = self.existing_branch(tid) else {
+            return;
+        };
+        let mut b = b.lock();
+        if committed {
+            let Some(saved) = b.undo.remove(path) else {
+                return;
+            };
+            match path.parent() {
+                Some(parent) if !parent.is_top() => {
+                    let into = b.undo.entry(parent).or_default();
+                    for (p, s) in saved {
+                        into.entry(p).or_insert(s);
+                    }
+                }
+                _ => {} // passed to the transaction itself: nothing to undo
+            }
+            return;
+        }
+        let mut gone: Vec<SubPath> = b
+            .undo
+            .keys()
+            .filter(|s| path.is_ancestor_or_self(s))
+            .cloned()
+            .collect();
+        gone.sort_by_key(|s| std::cmp::Reverse(s.depth()));
+        for s in gone {
+            let saved = b.undo.remove(&s).unwrap_or_default();
+            for (p, was) in saved {
+                self.restore(&mut b, p, was);
             }
         }
+    }
+
+    /// Puts the name `p` back to the state `was` (an aborted
+    /// sub-transaction's undo), dropping the staging data only the undone
+    /// state used.
+    fn restore(&self, b: &mut Branch, p: VPath, was: Saved) {
+        if let Some(Node::File(FileNode::Staged { id, .. })) = b.entries.get(&p) {
+            let keep =
+                matches!(&was.node, Some(Node::File(FileNode::Staged { id: w, .. })) if w == id);
+            if !keep {
+                let _ = fs::remove_file(b.stage.join(format!("n{id}")));
+            }
+        }
+        if let Some(Node::File(FileNode::Patched {
+            rid: Some(rid),
+            rlen,
+            ..
+        })) = &was.node
+        {
+            // Later writes went past `rlen` in the redo file: cut them off
+            // (the next write appends where the restored extents end).
+            let r = b.stage.join(format!("r{rid}"));
+            if let Err(e) = OpenOptions::new()
+                .write(true)
+                .open(&r)
+                .and_then(|f| f.set_len(*rlen))
+            {
+                tracing::warn!(path = %p, error = %e, "fs: cannot cut a redo file back");
+            }
+        }
+        match was.node {
+            Some(n) => {
+                b.entries.insert(p.clone(), n);
+            }
+            None => {
+                b.entries.remove(&p);
+            }
+        }
+        if was.removed {
+            b.removed.insert(p);
+        } else {
+            b.removed.remove(&p);
+        }
+    }
+
+    /// Before the running sub-transaction changes `p` for the first time:
+    /// records how `p` was, and gives a staged file a copy of its own to
+    /// change (the recorded state keeps the old one). Nothing for the
+    /// transaction itself.
+    ///
+    /// Fails with Io when the staged file cannot be copied.
+    fn note(&self, b: &mut Branch, p: &VPath) -> Result<(), FsError> {
+        if b.cur.is_top() || b.undo.get(&b.cur).is_some_and(|u| u.contains_key(p)) {
+            return Ok(());
+        }
+        let was = Saved {
+            node: b.entries.get(p).cloned(),
+            removed: b.removed.contains(p),
+        };
+        if let Some(Node::File(FileNode::Staged { id, len })) = was.node.clone() {
+            let new = Self::new_id(b);
+            fs::copy(
+                b.stage.join(format!("n{id}")),
+                b.stage.join(format!("n{new}")),
+            )
+            .map_err(io_err(p))?;
+            b.entries
+                .insert(p.clone(), Node::File(FileNode::Staged { id: new, len }));
+        }
+        let cur = b.cur.clone();
+        b.undo.entry(cur).or_default().insert(p.clone(), was);
+        Ok(())
     }
 
     /// Lowest log position a prepared branch still needs.
@@ -1531,12 +1913,33 @@ fn plan_paths(plan: &Plan) -> Vec<String> {
     out
 }
 
-/// Applies a plan (see docs/fs.md, "Commit"). Idempotent: each step checks
-/// whether it is done, and the `A` mark in the staging area says phase A
-/// (which only removes names) is over, so a replay never removes a name
-/// phase B put back. `recovering`: inline data is written again (after a
-/// crash the staging copies may be lost; in the normal path they are the
-/// same bytes).
+/// What [`Volume::publish`] did, for [`Volume::finish`] to force.
+pub(crate) struct Published {
+    tid: Tid,
+    stage: PathBuf,
+    to_force: ToForce,
+}
+
+/// Files and directories a published plan changed, not yet forced.
+#[derive(Debug, Default)]
+struct ToForce {
+    files: Vec<PathBuf>,
+    dirs: BTreeSet<PathBuf>,
+    marker: PathBuf,
+}
+
+impl ToForce {
+    fn force(&self) -> std::io::Result<()> {
+        force_all(
+            &self.files,
+            self.dirs.iter().map(PathBuf::as_path),
+            &self.marker,
+        )
+    }
+}
+
+/// Applies a plan and makes it durable (recovery): [`publish`] then a
+/// force of everything it changed.
 fn apply(
     root: &Path,
     stage: &Path,
@@ -1544,10 +1947,36 @@ fn apply(
     recovering: bool,
     hook: Option<&CommitHook>,
 ) -> Result<(), FsError> {
+    publish(root, stage, plan, recovering, hook)?
+        .force()
+        .map_err(io_err("forcing a commit"))?;
+    if let Some(h) = hook {
+        h("applied");
+    }
+    Ok(())
+}
+
+/// Makes a plan visible (see docs/fs.md, "Commit"): phase A (removals),
+/// forced when there is any, then phase B (names added, bytes written),
+/// not forced: returns what to force. Idempotent: each step checks whether
+/// it is done, and the `A` mark in the staging area says phase A (which
+/// only removes names) is over, so a replay never removes a name phase B
+/// put back; a plan that removes nothing needs no mark (its phase A is
+/// empty, replaying it does nothing). `recovering`: inline data is written
+/// again (after a crash the staging copies may be lost; in the normal path
+/// they are the same bytes).
+fn publish(
+    root: &Path,
+    stage: &Path,
+    plan: &Plan,
+    recovering: bool,
+    hook: Option<&CommitHook>,
+) -> Result<ToForce, FsError> {
     let at = |p: &str| root.join(p);
     let mut dirs: BTreeSet<PathBuf> = BTreeSet::new();
     let mark = stage.join("A");
-    if !mark.exists() {
+    let removes = !(plan.moves.is_empty() && plan.unlinks.is_empty() && plan.rmdirs.is_empty());
+    if removes && !mark.exists() {
         // No mark: phase B never began (the mark is durable before it
         // does), so removing names again is safe.
         fs::create_dir_all(stage).map_err(io_err(stage.display()))?;
@@ -1577,7 +2006,12 @@ fn apply(
             }
         }
         for d in std::mem::take(&mut dirs) {
-            sync_dir(&d).map_err(io_err(d.display()))?;
+            match sync_dir(&d) {
+                // Removed itself by the rmdirs above (a renamed directory
+                // whose files moved out): its parent is synced instead.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                r => r.map_err(io_err(d.display()))?,
+            }
         }
         File::create(&mark)
             .and_then(|f| f.sync_all())
@@ -1642,6 +2076,7 @@ fn apply(
             && fs::read_link(&path).is_ok_and(|t| t.as_os_str() == std::ffi::OsStr::new(target));
         if !done {
             if !staged.exists() {
+                fs::create_dir_all(stage).map_err(io_err(stage.display()))?;
                 std::os::unix::fs::symlink(target, &staged).map_err(io_err(p))?;
             }
             fs::rename(&staged, &path).map_err(io_err(p))?;
@@ -1684,20 +2119,109 @@ fn apply(
             }
         }
         f.set_len(patch.len).map_err(io_err(&patch.path))?;
-        f.sync_data().map_err(io_err(&patch.path))?;
+        files.push(target);
     }
-    for t in &files {
-        File::open(t)
-            .and_then(|f| f.sync_data())
-            .map_err(io_err(t.display()))?;
+    Ok(ToForce {
+        files,
+        dirs,
+        marker: root.join(RESERVED).join(FORCE_MARK),
+    })
+}
+
+/// The file in the reserved area whose force commits the file system's
+/// journal for [`force_all`].
+const FORCE_MARK: &str = "force";
+
+/// Makes `files` (their data) and `dirs` durable.
+///
+/// Forcing files one by one costs a device cache flush (and often a
+/// journal commit) each: seconds for a thousand small files. On a file
+/// system whose metadata journal is one ordered stream for the whole file
+/// system (ext4, xfs: a journal commit covers every metadata change made
+/// before it, and flushes the device first), this writes every file's data
+/// and waits for it (`sync_file_range`, no flush), then changes and forces
+/// one marker file in the volume's reserved area (`marker`): that commit
+/// carries the files' allocations and sizes and the directories' entries,
+/// all made before it. Elsewhere (or for a couple of files) each file and
+/// directory is forced on its own.
+///
+/// Fails with the first I/O error.
+fn force_all<'a>(
+    files: &[PathBuf],
+    dirs: impl IntoIterator<Item = &'a Path>,
+    marker: &Path,
+) -> std::io::Result<()> {
+    let dirs: Vec<&Path> = dirs.into_iter().collect();
+    if files.len() + dirs.len() > 2 {
+        let mark = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(marker)?;
+        if journal_orders_all(&mark)? {
+            for f in files {
+                range_sync(&open_nofollow(f)?, libc::SYNC_FILE_RANGE_WRITE)?;
+            }
+            for f in files {
+                range_sync(
+                    &open_nofollow(f)?,
+                    libc::SYNC_FILE_RANGE_WAIT_BEFORE
+                        | libc::SYNC_FILE_RANGE_WRITE
+                        | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+                )?;
+            }
+            // A change of the marker's time lands in the running journal
+            // transaction, after every change above: forcing it commits
+            // them all.
+            let stamp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
+            mark.write_all_at(&stamp.to_le_bytes(), 0)?;
+            return mark.sync_all();
+        }
     }
-    for d in &dirs {
-        sync_dir(d).map_err(io_err(d.display()))?;
+    for f in files {
+        open_nofollow(f)?.sync_data()?;
     }
-    if let Some(h) = hook {
-        h("applied");
+    for d in dirs {
+        sync_dir(d)?;
     }
     Ok(())
+}
+
+/// `sync_file_range` over the whole of `f` with `flags`.
+fn range_sync(f: &File, flags: libc::c_uint) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open for the whole call (`f` is borrowed);
+    // sync_file_range only reads its integer arguments. Exercised by every
+    // commit of more than two files (e.g. `force_all_forces_many_files`).
+    let rc = unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, flags) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// True when the file system holding `f` is one whose journal commits
+/// every metadata change in order (ext4, xfs).
+fn journal_orders_all(f: &File) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    const EXT4: i64 = 0xEF53;
+    const XFS: i64 = 0x5846_5342;
+    let mut s = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: the descriptor is open for the whole call and `s` points to
+    // writable memory the size of a `statfs`, which the call fills on
+    // success; it is read only then. Exercised with `range_sync`.
+    let rc = unsafe { libc::fstatfs(f.as_raw_fd(), s.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // `f_type`'s integer type differs between targets.
+    #[allow(clippy::unnecessary_cast)]
+    // SAFETY: fstatfs returned 0, so it initialized the struct.
+    let kind = unsafe { s.assume_init() }.f_type as i64;
+    Ok(kind == EXT4 || kind == XFS)
 }
 
 fn parent_of(p: &Path) -> PathBuf {
@@ -1835,6 +2359,33 @@ fn clip_extents(ext: &mut BTreeMap<u64, (u64, u64)>, len: u64) {
         if s + l > len {
             ext.insert(s, (len - s, r));
         }
+    }
+}
+
+#[cfg(test)]
+mod force_tests {
+    use super::*;
+
+    #[test]
+    fn force_all_forces_many_files_and_few() {
+        let t = tempfile::tempdir().unwrap();
+        let marker = t.path().join("mark");
+        let files: Vec<PathBuf> = (0..5).map(|i| t.path().join(format!("f{i}"))).collect();
+        for f in &files {
+            fs::write(f, b"data").unwrap();
+        }
+        // Many files: the batched path where the file system allows it.
+        force_all(&files, [t.path()], &marker).unwrap();
+        assert!(marker.exists(), "the marker is made to force the journal");
+        // A couple: each on its own.
+        force_all(&files[..1], [t.path()], &t.path().join("unused")).unwrap();
+        assert!(!t.path().join("unused").exists());
+        // A missing file is an error, not a silent success.
+        let gone = vec![t.path().join("absent"); 3];
+        assert!(force_all(&gone, [t.path()], &marker).is_err());
+        let f = File::open(&files[0]).unwrap();
+        journal_orders_all(&f).unwrap();
+        range_sync(&f, libc::SYNC_FILE_RANGE_WRITE).unwrap();
     }
 }
 

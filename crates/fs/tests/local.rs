@@ -451,33 +451,231 @@ async fn a_committed_transaction_survives_a_restart_and_orphans_are_cleaned() {
     no_staging_left(s.dir.path());
 }
 
+/// A directory renamed (across directories, with a tree in it, some of it
+/// changed by the transaction): the transaction sees the new tree at once,
+/// others the old one until commit; abort leaves the old; commit moves it.
 #[tokio::test]
-async fn an_aborted_sub_transaction_that_changed_files_makes_the_transaction_vote_no() {
+async fn a_directory_is_renamed_with_everything_in_it() {
     let s = setup().await;
+    let d = s.dir.path();
+    std::fs::create_dir_all(d.join("a/deep/er")).unwrap();
+    std::fs::create_dir_all(d.join("dst")).unwrap();
+    std::fs::write(d.join("a/one"), "1").unwrap();
+    std::fs::write(d.join("a/deep/two"), "22").unwrap();
+    std::fs::write(d.join("a/deep/er/three"), "333").unwrap();
+    std::fs::write(d.join("a/gone"), "g").unwrap();
+    std::os::unix::fs::symlink("one", d.join("a/link")).unwrap();
+    let v = &s.vol;
+    for commit in [false, true] {
+        let tx = s.node.begin();
+        let c = tx.context();
+        // Changes inside before the move: a patch, a new file, a delete.
+        v.write(c, "a/one", 1, Bytes::from_static(b"+"))
+            .await
+            .unwrap();
+        v.create(c, "a/deep/new", true).await.unwrap();
+        v.write(c, "a/deep/new", 0, Bytes::from_static(b"n"))
+            .await
+            .unwrap();
+        v.delete(c, "a/gone").await.unwrap();
+        // Refused: into itself, onto a directory that is not empty.
+        let e = v.rename(c, "a", "a/deep/x").await.unwrap_err();
+        assert!(matches!(e, FsError::BadPath(_)), "{e}");
+        std::fs::write(d.join("dst/full"), "f").unwrap();
+        let e = v.rename(c, "a", "dst").await.unwrap_err();
+        assert!(matches!(e, FsError::AlreadyExists(_)), "{e}");
+        std::fs::remove_file(d.join("dst/full")).unwrap();
+        v.rename(c, "a", "dst/b").await.unwrap();
+        // Changes inside after the move.
+        v.write(c, "dst/b/deep/two", 2, Bytes::from_static(b"!"))
+            .await
+            .unwrap();
+        let rd = |p: &'static str| async move {
+            String::from_utf8(
+                v.read(c, p, 0, 100, ReadMode::NoLock)
+                    .await
+                    .unwrap()
+                    .to_vec(),
+            )
+            .unwrap()
+        };
+        assert_eq!(rd("dst/b/one").await, "1+");
+        assert_eq!(rd("dst/b/deep/two").await, "22!");
+        assert_eq!(rd("dst/b/deep/new").await, "n");
+        assert_eq!(rd("dst/b/deep/er/three").await, "333");
+        assert!(v.stat(c, "a", ReadMode::NoLock).await.unwrap().is_none());
+        let names: Vec<String> = v
+            .list(c, "dst/b")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        assert_eq!(names, ["deep", "link", "one"]);
+        // Others still see the old tree.
+        let other = s.node.begin();
+        let names: Vec<String> = v
+            .list(other.context(), "a")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        assert_eq!(names, ["deep", "gone", "link", "one"]);
+        other.abort("done").await.unwrap();
+        if !commit {
+            tx.abort("test").await.unwrap();
+            wait_applied(&s.fs).await;
+            assert_eq!(read(d, "a/one").as_deref(), Some("1"));
+            assert_eq!(read(d, "a/gone").as_deref(), Some("g"));
+            assert!(!d.join("dst/b").exists());
+            no_staging_left(d);
+            continue;
+        }
+        tx.commit().await.unwrap();
+        wait_applied(&s.fs).await;
+    }
+    assert!(!d.join("a").exists());
+    assert_eq!(read(d, "dst/b/one").as_deref(), Some("1+"));
+    assert_eq!(read(d, "dst/b/deep/two").as_deref(), Some("22!"));
+    assert_eq!(read(d, "dst/b/deep/new").as_deref(), Some("n"));
+    assert_eq!(read(d, "dst/b/deep/er/three").as_deref(), Some("333"));
+    assert!(!d.join("dst/b/gone").exists());
+    assert_eq!(
+        std::fs::read_link(d.join("dst/b/link")).unwrap(),
+        Path::new("one")
+    );
+    no_staging_left(d);
+    // A directory the transaction made, renamed before it ever existed on
+    // disk; and renamed back and forth.
     let tx = s.node.begin();
-    s.vol.create(tx.context(), "kept", true).await.unwrap();
-    // A sub-transaction that only read and aborted does not doom it...
-    let sub = tx.sub().unwrap();
-    let _ = s.vol.list(sub.context(), "").await.unwrap();
-    sub.abort().unwrap();
-    // ...one that changed a file and aborted does (its change cannot be
-    // undone alone yet): commit reports the abort, nothing is applied.
-    let sub = tx.sub().unwrap();
-    s.vol.create(sub.context(), "sub", true).await.unwrap();
-    sub.abort().unwrap();
-    let e = tx.commit().await.unwrap_err();
-    assert_eq!(e.status, weft::Status::Aborted, "{e}");
+    let c = tx.context();
+    v.mkdir(c, "made").await.unwrap();
+    v.create(c, "made/f", true).await.unwrap();
+    v.rename(c, "made", "moved").await.unwrap();
+    v.rename(c, "dst/b", "b2").await.unwrap();
+    v.rename(c, "b2", "dst/b").await.unwrap();
+    tx.commit().await.unwrap();
     wait_applied(&s.fs).await;
-    assert!(!s.dir.path().join("kept").exists());
-    assert!(!s.dir.path().join("sub").exists());
-    // A committed sub-transaction's changes pass to its parent.
-    let tx = s.node.begin();
+    assert!(d.join("moved/f").is_file() && !d.join("made").exists());
+    assert_eq!(read(d, "dst/b/deep/er/three").as_deref(), Some("333"));
+    assert!(!d.join("b2").exists());
+    no_staging_left(d);
+}
+
+/// QuickSilver's nested transactions: a failed step's file changes vanish
+/// alone (every kind of change, nested steps too), its parent goes on and
+/// commits the rest; a step that succeeds passes its changes up.
+#[tokio::test]
+async fn an_aborted_sub_transaction_undoes_its_file_changes_alone() {
+    let s = setup().await;
+    for (name, text) in [("base", "0123456789"), ("gone", "g"), ("mv", "m")] {
+        std::fs::write(s.dir.path().join(name), text).unwrap();
+    }
+    let (v, tx) = (&s.vol, s.node.begin());
+    let c = tx.context();
+    let rd = |c: &weft::TxContext, p: &'static str| {
+        let c = c.clone();
+        async move {
+            v.read(&c, p, 0, 1 << 20, ReadMode::NoLock)
+                .await
+                .map(|b| String::from_utf8(b.to_vec()).unwrap())
+        }
+    };
+    // The transaction's own changes before the steps.
+    v.create(c, "kept", true).await.unwrap();
+    v.write(c, "kept", 0, Bytes::from_static(b"top"))
+        .await
+        .unwrap();
+    v.write(c, "base", 0, Bytes::from_static(b"AB"))
+        .await
+        .unwrap();
+    // A step that only read and aborted changes nothing.
     let sub = tx.sub().unwrap();
-    s.vol.create(sub.context(), "from-sub", true).await.unwrap();
+    let _ = v.list(sub.context(), "").await.unwrap();
+    sub.abort().unwrap();
+    // A step that changes every kind of thing, then fails.
+    let sub = tx.sub().unwrap();
+    let sc = sub.context();
+    v.create(sc, "sub", true).await.unwrap();
+    v.write(sc, "kept", 1, Bytes::from_static(b"XYZW"))
+        .await
+        .unwrap();
+    v.write(sc, "base", 8, Bytes::from_static(b"st"))
+        .await
+        .unwrap();
+    v.truncate(sc, "base", 9).await.unwrap();
+    v.delete(sc, "gone").await.unwrap();
+    v.rename(sc, "mv", "mv2").await.unwrap();
+    v.mkdir(sc, "d").await.unwrap();
+    v.create(sc, "d/f", true).await.unwrap();
+    // A step of the step that succeeds into it: undone with it.
+    let inner = sub.sub().unwrap();
+    v.create(inner.context(), "deep", true).await.unwrap();
+    v.delete(inner.context(), "kept").await.unwrap();
+    inner.commit().unwrap();
+    assert_eq!(rd(sc, "base").await.unwrap(), "AB234567s");
+    sub.abort().unwrap();
+    // The parent sees its own state again.
+    assert_eq!(rd(c, "kept").await.unwrap(), "top");
+    assert_eq!(rd(c, "base").await.unwrap(), "AB23456789");
+    assert_eq!(rd(c, "gone").await.unwrap(), "g");
+    assert_eq!(rd(c, "mv").await.unwrap(), "m");
+    for gone in ["sub", "mv2", "d", "deep"] {
+        assert!(
+            v.stat(c, gone, ReadMode::NoLock).await.unwrap().is_none(),
+            "{gone}"
+        );
+    }
+    // It goes on: writes after the undo land where they should (the redo
+    // file was cut back), a step that succeeds passes its changes up.
+    v.write(c, "base", 9, Bytes::from_static(b"!"))
+        .await
+        .unwrap();
+    let sub = tx.sub().unwrap();
+    v.create(sub.context(), "from-sub", true).await.unwrap();
+    v.write(sub.context(), "kept", 3, Bytes::from_static(b"+"))
+        .await
+        .unwrap();
     sub.commit().unwrap();
     tx.commit().await.unwrap();
     wait_applied(&s.fs).await;
-    assert!(s.dir.path().join("from-sub").exists());
+    let on_disk = |p: &str| read(s.dir.path(), p);
+    assert_eq!(on_disk("kept").as_deref(), Some("top+"));
+    assert_eq!(on_disk("base").as_deref(), Some("AB2345678!"));
+    assert_eq!(on_disk("gone").as_deref(), Some("g"));
+    assert_eq!(on_disk("mv").as_deref(), Some("m"));
+    assert_eq!(on_disk("from-sub").as_deref(), Some(""));
+    for gone in ["sub", "mv2", "d", "deep"] {
+        assert!(!s.dir.path().join(gone).exists(), "{gone}");
+    }
+    no_staging_left(s.dir.path());
+}
+
+/// A commit returns once the changes show under their names (plain readers
+/// see them); forcing them and dropping the staging area may come after.
+#[tokio::test]
+async fn a_commit_returns_once_its_changes_are_visible() {
+    let s = setup().await;
+    std::fs::write(s.dir.path().join("old"), "o").unwrap();
+    let tx = s.node.begin();
+    let c = tx.context();
+    s.vol.create(c, "new", true).await.unwrap();
+    s.vol
+        .write(c, "new", 0, Bytes::from_static(b"n"))
+        .await
+        .unwrap();
+    s.vol
+        .write(c, "old", 1, Bytes::from_static(b"+"))
+        .await
+        .unwrap();
+    s.vol.mkdir(c, "dir").await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(read(s.dir.path(), "new").as_deref(), Some("n"));
+    assert_eq!(read(s.dir.path(), "old").as_deref(), Some("o+"));
+    assert!(s.dir.path().join("dir").is_dir());
+    wait_applied(&s.fs).await;
+    no_staging_left(s.dir.path());
 }
 
 /// A real full file system (a 2 MiB tmpfs, mounted as root): staging past

@@ -1,4 +1,5 @@
-//! Model-based property test: a random sequence of file operations inside
+//! Model-based property test: a random sequence of file operations (files
+//! and directories renamed too) inside
 //! one transaction is checked against a model of the volume (in the
 //! transaction's view, then on disk after commit, or unchanged after
 //! abort). Seeded by proptest; a failure prints the minimal sequence.
@@ -85,6 +86,41 @@ impl Model {
                 true
             }
             Op::Delete(i) => self.files.remove(NAMES[i]).is_some(),
+            Op::Rename(a, b) if self.dirs.contains(NAMES[a]) => {
+                // A directory, with everything in it.
+                let (a, b) = (NAMES[a], NAMES[b]);
+                if a == b {
+                    return true;
+                }
+                let (pa, pb) = (format!("{a}/"), format!("{b}/"));
+                let empty_dir = |m: &Model| {
+                    m.dirs.contains(b)
+                        && !m
+                            .files
+                            .keys()
+                            .chain(m.dirs.iter())
+                            .any(|k| k.starts_with(&pb))
+                };
+                if b.starts_with(&pa)
+                    || !self.parent_ok(b)
+                    || self.files.contains_key(b)
+                    || (self.dirs.contains(b) && !empty_dir(self))
+                {
+                    return false;
+                }
+                self.dirs.remove(b);
+                let moved = |k: &String| match k.strip_prefix(&pa) {
+                    Some(rest) => format!("{b}/{rest}"),
+                    None if k == a => b.to_string(),
+                    None => k.clone(),
+                };
+                self.files = std::mem::take(&mut self.files)
+                    .into_iter()
+                    .map(|(k, v)| (moved(&k), v))
+                    .collect();
+                self.dirs = std::mem::take(&mut self.dirs).iter().map(moved).collect();
+                true
+            }
             Op::Rename(a, b) => {
                 let (a, b) = (NAMES[a], NAMES[b]);
                 if !self.files.contains_key(a) || !self.parent_ok(b) || self.dirs.contains(b) {

@@ -26,8 +26,7 @@ impl From<CaptureError> for Failure {
     }
 }
 
-/// Applies every captured directory's changes. Returns, for each volume
-/// changed, one path the transaction changed (see `volume::settle`).
+/// Applies every captured directory's changes.
 ///
 /// Fails with the first failure: BadRequest for something a volume cannot
 /// hold, LockConflict when another transaction holds or changed a file the
@@ -38,9 +37,8 @@ pub async fn apply_all(
     ctx: &TxContext,
     enclosing: &[PathBuf],
     _timeout: Duration,
-) -> Result<Vec<(super::volume::Place, String)>, Failure> {
+) -> Result<(), Failure> {
     let all = capture.changes()?;
-    let mut touched = Vec::new();
     for (d, changes) in capture.dirs.iter().zip(all) {
         if enclosing.iter().any(|e| d.dir.starts_with(e)) {
             plain(&d.dir, &changes).map_err(|e| {
@@ -50,11 +48,10 @@ pub async fn apply_all(
                 )
             })?;
         } else {
-            touched
-                .extend(super::volume::apply(s, ctx, &d.dir, &changes, capture.started()).await?);
+            super::volume::apply(s, ctx, &d.dir, &changes, capture.started()).await?;
         }
     }
-    Ok(touched)
+    Ok(())
 }
 
 /// Applies `changes` into `dir` with plain file operations.

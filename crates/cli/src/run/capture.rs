@@ -503,6 +503,33 @@ fn is_opaque(dir: &Path) -> bool {
     false
 }
 
+/// True when the copied-up file `up` holds the same bytes as the file
+/// `low` below it. Overlayfs keeps a file's modification time when it
+/// copies it up and every write changes it, so only a file of the same
+/// length and time is compared (whole), and any other is taken as changed.
+fn unchanged(up: &Path, um: &std::fs::Metadata, low: &Path, lm: &std::fs::Metadata) -> bool {
+    if um.len() != lm.len() || um.mtime() != lm.mtime() || um.mtime_nsec() != lm.mtime_nsec() {
+        return false;
+    }
+    let (Ok(mut a), Ok(mut b)) = (File::open(up), File::open(low)) else {
+        return false;
+    };
+    let (mut x, mut y) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
+    loop {
+        use std::io::Read;
+        let n = match a.read(&mut x) {
+            Ok(n) => n,
+            Err(_) => return false,
+        };
+        if n == 0 {
+            return matches!(b.read(&mut y[..1]), Ok(0));
+        }
+        if b.read_exact(&mut y[..n]).is_err() || x[..n] != y[..n] {
+            return false;
+        }
+    }
+}
+
 /// Reads the upper directory `upper` (at `rel` under the captured
 /// directory `lower`) into changes, depth first, removals of a directory's
 /// entries before anything made in it.
@@ -559,8 +586,15 @@ fn walk(
             }
             walk(upper, lower, &r, out, total)?;
         } else if ft.is_file() {
-            if below.is_some_and(|b| b.is_dir()) {
+            if below.as_ref().is_some_and(|b| b.is_dir()) {
                 push(out, total, Change::Remove(r.clone()))?;
+            }
+            if let Some(b) = below.as_ref().filter(|b| b.is_file()) {
+                if unchanged(&up, &meta, &lower.join(&r), b) {
+                    // Copied up without a change of its bytes (opened for
+                    // writing, its mode or times changed): nothing to apply.
+                    continue;
+                }
             }
             push(
                 out,
@@ -651,6 +685,42 @@ mod tests {
             },
         ]);
         assert_eq!(out, want);
+    }
+
+    #[test]
+    fn a_file_copied_up_without_a_change_is_not_applied() {
+        let t = tempfile::tempdir().unwrap();
+        let (lower, upper) = (t.path().join("lower"), t.path().join("upper"));
+        std::fs::create_dir_all(&lower).unwrap();
+        std::fs::create_dir_all(&upper).unwrap();
+        let when = SystemTime::UNIX_EPOCH + std::time::Duration::new(1_700_000_000, 123);
+        let write = |dir: &Path, name: &str, data: &[u8], at: SystemTime| {
+            std::fs::write(dir.join(name), data).unwrap();
+            File::options()
+                .write(true)
+                .open(dir.join(name))
+                .unwrap()
+                .set_modified(at)
+                .unwrap();
+        };
+        // Copied up as is (same bytes, same time): skipped.
+        write(&lower, "same", b"abc", when);
+        write(&upper, "same", b"abc", when);
+        // Same length and time, other bytes: applied (compared, not trusted).
+        write(&lower, "bytes", b"abc", when);
+        write(&upper, "bytes", b"abd", when);
+        // Written (a new time): applied.
+        write(&lower, "time", b"abc", when);
+        write(
+            &upper,
+            "time",
+            b"abc",
+            when + std::time::Duration::from_secs(1),
+        );
+        let mut out = Vec::new();
+        walk(&upper, &lower, Path::new(""), &mut out, &mut 0).unwrap();
+        let paths: Vec<&Path> = out.iter().map(Change::path).collect();
+        assert_eq!(paths, [Path::new("bytes"), Path::new("time")]);
     }
 
     #[test]

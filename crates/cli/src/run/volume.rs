@@ -211,11 +211,13 @@ impl Vol<'_> {
         }
     }
 
-    /// Makes `path` a copy of the local file `from`.
+    /// Makes `path` hold the local file `from` (a file of the scratch area:
+    /// the embedded node's store takes it by rename).
     async fn put_file(&self, ctx: &TxContext, path: String, from: &Path) -> Result<(), Failure> {
         match self {
             Vol::Local(v) => {
-                v.put_file(ctx, &path, from).await?;
+                // The scratch area is beside the volume: a rename.
+                v.take_file(ctx, &path, from).await?;
             }
             Vol::Remote { .. } => {
                 use std::io::Read;
@@ -296,8 +298,10 @@ fn vol<'a>(s: &'a Session, ctx: &TxContext, place: &Place) -> Result<Vol<'a>, Fa
     })
 }
 
-/// Applies `changes` to the volume holding `dir`, in `ctx`. Returns where
-/// the directory is, and the first path changed (for [`settle`]).
+/// Applies `changes` to the volume holding `dir`, in `ctx`. The volume is
+/// served by the transaction's own node, whose commit returns once the
+/// changes are published (visible to every reader), so nothing need be
+/// waited for after it.
 ///
 /// Fails with AddrError when the node serves no volume holding `dir`,
 /// LockConflict when another transaction holds, or changed while the
@@ -308,7 +312,7 @@ pub async fn apply(
     dir: &Path,
     changes: &[Change],
     started: SystemTime,
-) -> Result<Option<(Place, String)>, Failure> {
+) -> Result<(), Failure> {
     let place = place_of(dir)?;
     let v = vol(s, ctx, &place)?;
     // The directory must be one the node serves.
@@ -344,10 +348,6 @@ pub async fn apply(
         .iter()
         .filter(|c| !(place.prefix.is_empty() && c.path().starts_with(RESERVED)))
         .collect();
-    let Some(first) = changes.first() else {
-        return Ok(None);
-    };
-    let first = place.path(first.path())?;
     let check = |rel: &Path| changed_since(&dir.join(rel), started);
     for c in changes
         .iter()
@@ -410,58 +410,7 @@ pub async fn apply(
     while let Some(r) = pending.next().await {
         r?;
     }
-    Ok(Some((place.clone(), first)))
-}
-
-/// Waits until committed changes show in the volumes: a commit returns
-/// once decided and the store applies it just after, releasing its locks
-/// when done, so a read lock on one path each volume's commit touched is
-/// granted only then. `touched` holds (volume, path) pairs.
-///
-/// Fails with the store's status (LockConflict when it takes longer than
-/// the store's lock bound, each time: retried until `within`).
-pub async fn settle(
-    s: &Session,
-    touched: &[(Place, String)],
-    within: Duration,
-) -> Result<(), Failure> {
-    if touched.is_empty() {
-        return Ok(());
-    }
-    let give_up = std::time::Instant::now() + within;
-    loop {
-        let r: weft::admin::TxReply = s
-            .client
-            .call_here(
-                weft::admin::TX_SERVICE,
-                weft::admin::TxRequest::Begin { timeout_ms: None },
-            )
-            .await?;
-        let weft::admin::TxReply::Begun(ctx) = r else {
-            return Err(Failure::new(
-                Status::Mismatch,
-                format!("unexpected reply {r:?}"),
-            ));
-        };
-        let mut result = Ok(());
-        for (place, path) in touched {
-            let v = vol(s, &ctx, place)?;
-            if let Err(f) = v.stat(&ctx, path.clone(), ReadMode::Degree2).await {
-                result = Err(f);
-                break;
-            }
-        }
-        let _ = s
-            .tx(
-                ctx.tid.node,
-                weft::admin::TxRequest::Abort(ctx.tid, "settled".into()),
-            )
-            .await;
-        match result {
-            Err(f) if f.status == Status::LockConflict && std::time::Instant::now() < give_up => {}
-            r => return r,
-        }
-    }
+    Ok(())
 }
 
 /// LockConflict when `path` (in the volume's directory) changed at or after
