@@ -48,8 +48,10 @@
 //! - `flushing`: the overlay being written by a flush in progress (frozen);
 //! - `dirty`: commits since then (`None`: deleted).
 //!
-//! A read looks in `dirty`, then `flushing`, then the deltas newest first,
-//! then `base`. A flush ([`DiskStore::begin_flush`], [`FlushJob::write`],
+//! A read looks in `dirty`, then `flushing`, then the deltas newest first
+//! (skipping each delta whose Bloom filter, kept in memory, rules the key
+//! out: see [`crate::bloom`]), then `base`. A flush
+//! ([`DiskStore::begin_flush`], [`FlushJob::write`],
 //! [`DiskStore::end_flush`]) moves `dirty` to `flushing` in O(1) under the
 //! store's lock, writes it as a new delta outside the lock, and then reads
 //! it as one. A checkpoint is a flush committed `Immediate` with its log
@@ -81,6 +83,7 @@ use weft_log::Durability;
 use weft_wire::Tid;
 
 use crate::api::Write;
+use crate::bloom::Bloom;
 
 /// The merged table (main file).
 const DATA: TableDefinition<&[u8], &[u8]> = TableDefinition::new("data");
@@ -258,6 +261,9 @@ pub struct DiskStore {
     merged: u64,
     /// Delta tables numbered past `merged`, oldest first.
     deltas: Vec<(u64, Table)>,
+    /// A Bloom filter of each delta's keys, by delta number: a read skips
+    /// the deltas that certainly do not hold its key.
+    filters: std::collections::HashMap<u64, Bloom>,
     /// Entries over `deltas`.
     delta_entries: u64,
     /// Merged deltas still in the delta file (the next flush drops them).
@@ -377,6 +383,26 @@ fn open_deltas(db: &Database, path: &Path, seqs: &[u64]) -> Result<Vec<(u64, Tab
                 .map_err(|e| engine(e.into()))
         })
         .collect()
+}
+
+/// The Bloom filters of `deltas` (on opening: one walk of each; their
+/// entries are bounded by the merge bound).
+fn build_filters(
+    deltas: &[(u64, Table)],
+    path: &Path,
+) -> Result<std::collections::HashMap<u64, Bloom>, DiskError> {
+    let engine = engine_error(path);
+    let mut filters = std::collections::HashMap::new();
+    for (seq, t) in deltas {
+        let len = t.len().map_err(|e| engine(e.into()))? as usize;
+        let mut filter = Bloom::new(len);
+        for r in t.iter().map_err(|e| engine(e.into()))? {
+            let (k, _) = r.map_err(|e| engine(e.into()))?;
+            filter.add(k.value());
+        }
+        filters.insert(*seq, filter);
+    }
+    Ok(filters)
 }
 
 /// A walk of one table from `start` in key order.
@@ -549,6 +575,7 @@ impl DiskStore {
             main_path: main_file.clone(),
             base,
             merged,
+            filters: build_filters(&deltas, &file)?,
             deltas,
             delta_entries: 0,
             obsolete,
@@ -605,7 +632,14 @@ impl DiskStore {
 
     /// The value at `key` in the deltas and the merged table.
     fn get_below_overlay(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
-        for (_, t) in self.deltas.iter().rev() {
+        for (seq, t) in self.deltas.iter().rev() {
+            if self
+                .filters
+                .get(seq)
+                .is_some_and(|f| !f.may_contain(key.as_ref()))
+            {
+                continue;
+            }
             let got = t
                 .get(key.as_ref())
                 .map_err(|e| engine_error(&self.path)(e.into()))?;
@@ -783,6 +817,10 @@ impl DiskStore {
             }
             match open_deltas(&self.deltas_db, &self.path, &seqs) {
                 Ok(deltas) => {
+                    if !frozen.is_empty() {
+                        let filter = Bloom::build(frozen.len(), frozen.keys().map(|k| k.as_ref()));
+                        self.filters.insert(self.flushing_seq, filter);
+                    }
                     self.deltas = deltas;
                     return self.count_delta_entries();
                 }
@@ -852,6 +890,9 @@ impl DiskStore {
         let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deltas)
             .into_iter()
             .partition(|(s, _)| *s <= upto);
+        for (s, _) in &gone {
+            self.filters.remove(s);
+        }
         self.obsolete.extend(gone.into_iter().map(|(s, _)| s));
         self.deltas = kept;
         self.count_delta_entries()

@@ -155,7 +155,14 @@ pub(super) async fn run_sites(
     opts.site.kv_engine = crate::node_cmd::kv_engine(engine, args.kv_cache_mib);
     let cluster = RaidCluster::start(sites, &base, opts).await?;
     let sizes = Workload::sizes(args.mode, args.scale);
+    let loading = std::time::Instant::now();
     cluster.load(sizes).await?;
+    // One line a run, terminal or not: a load at scale 100 takes minutes.
+    eprintln!(
+        "{sites} site(s), {engine} engine, scale {}: loaded in {:.1} s",
+        args.scale,
+        loading.elapsed().as_secs_f64()
+    );
     pb.set_message(format!(
         "{sites} site(s): {} clients for {:?}",
         args.clients, args.duration
