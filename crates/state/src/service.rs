@@ -419,6 +419,15 @@ impl Inner {
         Ok(HomeReply::Opened { version: 0 })
     }
 
+    /// What brings a copy at `have` to the master's version (a lone diff
+    /// is encoded where it lies).
+    fn refresh_for(core: &HomeSegment, have: Option<u64>) -> WireRefresh {
+        if let Some(d) = have.and_then(|h| core.only_diff_since(h)) {
+            return WireRefresh::Diff(codec::encode_diff(d));
+        }
+        Self::encode_refresh(core.refresh(have), core.master())
+    }
+
     fn encode_refresh(r: Refresh, master: &Segment) -> WireRefresh {
         match r {
             Refresh::Current => WireRefresh::Current,
@@ -465,7 +474,7 @@ impl Inner {
                     // uncommitted diffs (or an aborted sub's): start it over
                     // from the master then.
                     let base = have.filter(|h| *h <= version);
-                    let refresh = Self::encode_refresh(e.core.refresh(base), e.core.master());
+                    let refresh = Self::refresh_for(&e.core, base);
                     let tentative = e
                         .core
                         .pending_since(tid, version)
@@ -538,10 +547,7 @@ impl Inner {
         let version = e.core.master().version();
         Ok(HomeReply::Refresh {
             version,
-            refresh: Self::encode_refresh(
-                e.core.refresh(have.filter(|h| *h <= version)),
-                e.core.master(),
-            ),
+            refresh: Self::refresh_for(&e.core, have.filter(|h| *h <= version)),
             tentative: None,
             tx_version: version,
             tag: e.core.tag(),

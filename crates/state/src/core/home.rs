@@ -171,6 +171,16 @@ impl HomeSegment {
         }
     }
 
+    /// The one committed diff from `have` to the master's version, when
+    /// exactly one separates them and it is smaller than the segment (what
+    /// [`HomeSegment::refresh`] would chain, without copying it).
+    pub fn only_diff_since(&self, have: u64) -> Option<&Diff> {
+        self.history
+            .back()
+            .filter(|d| d.base == have && d.target == self.master.version())
+            .filter(|d| d.units() < self.master.units())
+    }
+
     /// Units the retained diffs since `have` carry (`None`: not retained).
     fn units_since(&self, have: u64) -> Option<u64> {
         let first = self.history.iter().position(|d| d.base == have)?;
