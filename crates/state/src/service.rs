@@ -3,9 +3,12 @@
 //!
 //! Owns the async shell around [`crate::core::home::HomeSegment`]: the
 //! service's requests (open/create with an access secret, lock, fetch,
-//! submit, pending), bounded lock waits (LockConflict at the bound, never a
-//! wait forever), prepare (appends the transaction's diffs to the node's log;
-//! the transaction manager forces it), commit (applies them to the master),
+//! submit, list), bounded lock waits (LockConflict at the bound, never a
+//! wait forever), prepare (collects the diffs the transaction's writers
+//! hold, through its root, and appends them to the node's log; the
+//! transaction manager forces it), commit (tells subscribed caching nodes of
+//! the new version, waits for them or their lease, then applies the diffs
+//! to the master),
 //! abort and sub-transaction abort, checkpoints of every segment to files,
 //! and recovery (checkpoint images, then committed diffs from the log).
 //! Must never hold its mutex across an `.await`, apply an uncommitted diff to
