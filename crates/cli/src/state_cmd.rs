@@ -121,6 +121,8 @@ async fn fetch(
         secret: secret.as_bytes().to_vec(),
         have,
         tentative_of: None,
+        // A one-shot process serves no peers: no notices.
+        peer: false,
     };
     let reply: HomeReply = client.call(&home(node), req, None).await?;
     let HomeReply::Refresh { refresh, .. } = reply else {
@@ -335,6 +337,8 @@ async fn set(
             mode: LockMode::Write,
             have: None,
             tentative_of: None,
+            // It exits before the root ends: its diffs go to the home.
+            peer: false,
         };
         let reply: HomeReply = c.call(&home(node), lock, Some(ctx.clone())).await?;
         let HomeReply::Refresh {

@@ -4,7 +4,9 @@
 //! diffs in primitive units; coherence models; and the transaction metadata
 //! table that rides in the transaction's baggage.
 //!
-//! This crate is, so far, the sans-IO [`core`]; the wire and disk forms are
+//! The sans-IO [`core`] decides; [`service`] (the home node) and [`client`]
+//! (a node's cache, locks and held diffs) run it over weft's RPC, and
+//! [`peer`] is what clients say to each other. The wire and disk forms are
 //! specified in `docs/state.md`.
 
 pub mod core;
@@ -21,6 +23,7 @@ pub use crate::core::tmt::{LockCase, LockMode, Tmt, TmtEntry};
 pub use crate::core::twin::{collect, Twins, Writer};
 pub use crate::core::types::{Field, PrimKind, TypeDesc, TypeLimits, Unit};
 pub mod client;
+pub mod peer;
 pub mod service;
 
 pub use client::StateClient;

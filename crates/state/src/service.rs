@@ -3,15 +3,18 @@
 //!
 //! Owns the async shell around [`crate::core::home::HomeSegment`]: the
 //! service's requests (open/create with an access secret, lock, fetch,
-//! submit, pending), bounded lock waits (LockConflict at the bound, never a
-//! wait forever), prepare (appends the transaction's diffs to the node's log;
-//! the transaction manager forces it), commit (applies them to the master),
+//! submit, list), bounded lock waits (LockConflict at the bound, never a
+//! wait forever), prepare (collects the diffs the transaction's writers
+//! hold, through its root, and appends them to the node's log; the
+//! transaction manager forces it), commit (tells subscribed caching nodes of
+//! the new version, waits for them or their lease, then applies the diffs
+//! to the master),
 //! abort and sub-transaction abort, checkpoints of every segment to files,
 //! and recovery (checkpoint images, then committed diffs from the log).
 //! Must never hold its mutex across an `.await`, apply an uncommitted diff to
 //! a master, or let a peer's bad diff touch one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -24,8 +27,9 @@ use tokio::sync::Notify;
 use weft_log::{Log, LogRecord, Lsn, RecordTag};
 use weft_rpc::{CallContext, Plugin, Rpc, ServiceOptions};
 use weft_tx::{ParticipationClass, Recovered, Resource, TxManager, Vote};
-use weft_wire::ids::{SubPath, Tid};
+use weft_wire::ids::{Address, NodeId, SubPath, Tid};
 use weft_wire::status::{Failure, Status};
+use weft_wire::Payload;
 
 use crate::core::codec::{self, FrameKind};
 use crate::core::error::StateError;
@@ -33,6 +37,7 @@ use crate::core::home::{HomeLimits, HomeSegment, Refresh};
 use crate::core::mip::SegUrl;
 use crate::core::segment::{SegLimits, Segment};
 use crate::core::tmt::LockMode;
+use crate::peer::{PeerReply, PeerRequest, PEER_SERVICE};
 
 /// The service name.
 pub const SERVICE: &str = "state";
@@ -64,6 +69,10 @@ pub enum HomeRequest {
         have: Option<u64>,
         /// The transaction whose uncommitted diffs the cached copy holds.
         tentative_of: Option<Tid>,
+        /// The caller serves [`crate::peer::PEER_SERVICE`]: it holds its
+        /// diffs until the root ends (the home collects them at prepare)
+        /// and takes version notices.
+        peer: bool,
     },
     /// Refreshes from `have` to the master's committed version (no lock).
     Fetch {
@@ -75,6 +84,9 @@ pub enum HomeRequest {
         have: Option<u64>,
         /// The transaction whose uncommitted diffs the cached copy holds.
         tentative_of: Option<Tid>,
+        /// The caller serves [`crate::peer::PEER_SERVICE`] and takes
+        /// version notices.
+        peer: bool,
     },
     /// Submits a diff (wire form) written under the transaction's write lock.
     Submit {
@@ -132,6 +144,13 @@ pub enum HomeReply {
         tentative: Option<Vec<u8>>,
         /// The version the transaction sees.
         tx_version: u64,
+        /// The identifier of the diff that produced the master version (0:
+        /// unknown).
+        tag: u64,
+        /// A caller that serves the peer service hears of every new master
+        /// version for this long from when it sent the request (0: no
+        /// notices).
+        lease_ms: u64,
     },
     /// The diff was accepted; the transaction's version.
     Submitted {
@@ -157,6 +176,11 @@ pub struct HomeConfig {
     pub max_bytes: usize,
     /// Where checkpoints go (default: `state/` beside the log directory).
     pub dir: Option<PathBuf>,
+    /// How long a caching node hears of new versions after it last asked
+    /// (its copies' recency is decided locally meanwhile); a commit waits
+    /// for the notice to be acknowledged, or for the lease of a node that
+    /// does not answer to run out, before the new version is applied.
+    pub notice_lease: Duration,
 }
 
 impl Default for HomeConfig {
@@ -168,6 +192,7 @@ impl Default for HomeConfig {
             max_segments: 4096,
             max_bytes: 64 << 20,
             dir: None,
+            notice_lease: Duration::from_secs(1),
         }
     }
 }
@@ -175,7 +200,34 @@ impl Default for HomeConfig {
 struct Entry {
     secret: [u8; 32],
     core: HomeSegment,
+    /// Nodes that hear of new versions, until when.
+    subs: BTreeMap<NodeId, Instant>,
 }
+
+impl Entry {
+    fn new(secret: [u8; 32], core: HomeSegment) -> Self {
+        Entry {
+            secret,
+            core,
+            subs: BTreeMap::new(),
+        }
+    }
+
+    /// Notes that `node` asked (at `now`): it hears of new versions until
+    /// `now + lease`.
+    fn subscribe(&mut self, node: NodeId, now: Instant, lease: Duration) {
+        if lease.is_zero() {
+            return;
+        }
+        self.subs.retain(|_, until| *until > now);
+        if self.subs.len() < MAX_SUBSCRIBERS || self.subs.contains_key(&node) {
+            self.subs.insert(node, now + lease);
+        }
+    }
+}
+
+/// Most nodes that hear of one segment's new versions.
+pub const MAX_SUBSCRIBERS: usize = 1024;
 
 #[derive(Serialize, Deserialize)]
 enum StateRecord {
@@ -202,6 +254,12 @@ struct Inner {
     /// Prepared, undecided transactions and their prepare records.
     prepared: Mutex<BTreeMap<Tid, Lsn>>,
     released: Notify,
+    /// Transactions whose writers hold their diffs, and a node that asked
+    /// for the write lock (asked at prepare if the root cannot answer).
+    holders: Mutex<BTreeMap<Tid, NodeId>>,
+    /// Aborted sub-transactions of running transactions.
+    aborted: Mutex<BTreeMap<Tid, Vec<SubPath>>>,
+    rpc: OnceLock<Rpc>,
     node: OnceLock<String>,
     log: OnceLock<Log>,
     dir: OnceLock<PathBuf>,
@@ -230,6 +288,9 @@ impl StateHome {
             segs: Mutex::new(BTreeMap::new()),
             prepared: Mutex::new(BTreeMap::new()),
             released: Notify::new(),
+            holders: Mutex::new(BTreeMap::new()),
+            aborted: Mutex::new(BTreeMap::new()),
+            rpc: OnceLock::new(),
             node: OnceLock::new(),
             log: OnceLock::new(),
             dir: OnceLock::new(),
@@ -346,10 +407,10 @@ impl Inner {
             };
             segs.insert(
                 path.clone(),
-                Entry {
-                    secret: h,
-                    core: HomeSegment::new(Segment::new(url, self.cfg.limits), self.cfg.home),
-                },
+                Entry::new(
+                    h,
+                    HomeSegment::new(Segment::new(url, self.cfg.limits), self.cfg.home),
+                ),
             );
             lsn
         };
@@ -361,6 +422,15 @@ impl Inner {
         Ok(HomeReply::Opened { version: 0 })
     }
 
+    /// What brings a copy at `have` to the master's version (a lone diff
+    /// is encoded where it lies).
+    fn refresh_for(core: &HomeSegment, have: Option<u64>) -> WireRefresh {
+        if let Some(d) = have.and_then(|h| core.only_diff_since(h)) {
+            return WireRefresh::Diff(codec::encode_diff(d));
+        }
+        Self::encode_refresh(core.refresh(have), core.master())
+    }
+
     fn encode_refresh(r: Refresh, master: &Segment) -> WireRefresh {
         match r {
             Refresh::Current => WireRefresh::Current,
@@ -369,6 +439,7 @@ impl Inner {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn lock(
         &self,
         tid: Tid,
@@ -376,6 +447,8 @@ impl Inner {
         secret: Vec<u8>,
         mode: LockMode,
         have: Option<u64>,
+        caller: NodeId,
+        peer: bool,
     ) -> Result<HomeReply, Failure> {
         self.check_secret(&path, &secret)?;
         let deadline = Instant::now() + self.cfg.lock_wait;
@@ -389,13 +462,22 @@ impl Inner {
                     .get_mut(&path)
                     .ok_or_else(|| Failure::new(Status::AddrError, format!("no segment {path}")))?;
                 if e.core.try_lock(tid, mode).map_err(fail)? {
+                    let lease_ms = if peer {
+                        e.subscribe(caller, Instant::now(), self.cfg.notice_lease);
+                        if mode == LockMode::Write {
+                            self.holders.lock().entry(tid).or_insert(caller);
+                        }
+                        self.cfg.notice_lease.as_millis() as u64
+                    } else {
+                        0
+                    };
                     let version = e.core.master().version();
                     let tx_version = e.core.tentative_version(tid);
                     // A copy past the master holds this transaction's
                     // uncommitted diffs (or an aborted sub's): start it over
                     // from the master then.
                     let base = have.filter(|h| *h <= version);
-                    let refresh = Self::encode_refresh(e.core.refresh(base), e.core.master());
+                    let refresh = Self::refresh_for(&e.core, base);
                     let tentative = e
                         .core
                         .pending_since(tid, version)
@@ -405,6 +487,8 @@ impl Inner {
                         refresh,
                         tentative,
                         tx_version,
+                        tag: e.core.tag(),
+                        lease_ms,
                     });
                 }
             }
@@ -444,21 +528,33 @@ impl Inner {
         }
     }
 
-    fn fetch(&self, path: &str, secret: &[u8], have: Option<u64>) -> Result<HomeReply, Failure> {
+    fn fetch(
+        &self,
+        path: &str,
+        secret: &[u8],
+        have: Option<u64>,
+        subscriber: Option<NodeId>,
+    ) -> Result<HomeReply, Failure> {
         self.check_secret(path, secret)?;
-        let segs = self.segs.lock();
+        let mut segs = self.segs.lock();
         let e = segs
-            .get(path)
+            .get_mut(path)
             .ok_or_else(|| Failure::new(Status::AddrError, path.to_string()))?;
+        let lease_ms = match subscriber {
+            Some(n) => {
+                e.subscribe(n, Instant::now(), self.cfg.notice_lease);
+                self.cfg.notice_lease.as_millis() as u64
+            }
+            None => 0,
+        };
         let version = e.core.master().version();
         Ok(HomeReply::Refresh {
             version,
-            refresh: Self::encode_refresh(
-                e.core.refresh(have.filter(|h| *h <= version)),
-                e.core.master(),
-            ),
+            refresh: Self::refresh_for(&e.core, have.filter(|h| *h <= version)),
             tentative: None,
             tx_version: version,
+            tag: e.core.tag(),
+            lease_ms,
         })
     }
 
@@ -499,19 +595,23 @@ impl Inner {
                 mode,
                 have,
                 tentative_of,
+                peer,
             } => {
                 let tid = tx()?.tid;
                 let have = self.trusted(&path, have, tentative_of, Some(tid));
-                self.lock(tid, path, secret, mode, have).await
+                let caller = ctx.caller().node;
+                self.lock(tid, path, secret, mode, have, caller, peer).await
             }
             HomeRequest::Fetch {
                 path,
                 secret,
                 have,
                 tentative_of,
+                peer,
             } => {
                 let have = self.trusted(&path, have, tentative_of, None);
-                self.fetch(&path, &secret, have)
+                let sub = peer.then(|| ctx.caller().node);
+                self.fetch(&path, &secret, have, sub)
             }
             HomeRequest::Submit { path, diff } => {
                 let t = tx()?;
@@ -533,6 +633,139 @@ impl Inner {
             }
             self.prepared.lock().remove(&tid);
         }
+        self.holders.lock().remove(&tid);
+        self.aborted.lock().remove(&tid);
+        self.released.notify_waiters();
+    }
+
+    /// At prepare: when `tid`'s writers hold their diffs, asks the root (or
+    /// else the node that took the write lock) for every diff of the
+    /// segments `tid` write-locked here, and checks them into its tentative
+    /// copies (a diff of an aborted sub-transaction is skipped). Fails with
+    /// the reason to vote No.
+    async fn collect_held(&self, tid: Tid) -> Result<(), String> {
+        let Some(asker) = self.holders.lock().remove(&tid) else {
+            return Ok(());
+        };
+        let segs: Vec<(SegUrl, [u8; 32])> = self
+            .segs
+            .lock()
+            .values()
+            .filter(|e| e.core.held(tid) == Some(LockMode::Write))
+            .map(|e| (e.core.master().url().clone(), e.secret))
+            .collect();
+        if segs.is_empty() {
+            return Ok(());
+        }
+        let rpc = self.rpc.get().ok_or("state: not serving")?;
+        let req = PeerRequest::Collect { tid, segs };
+        let mut got = Err(String::from("state: nobody to collect diffs from"));
+        let mut asked = vec![tid.node];
+        if asker != tid.node {
+            asked.push(asker);
+        }
+        for node in asked {
+            let addr = Address::new(PEER_SERVICE, node).map_err(|e| e.to_string())?;
+            let r = rpc
+                .call_payload(None, &addr, Payload::local(req.clone()), None)
+                .await
+                .and_then(|p| {
+                    p.decode::<PeerReply>()
+                        .map_err(|e| Failure::new(Status::Mismatch, e.to_string()))
+                });
+            match r {
+                Ok(PeerReply::Collected(v)) => {
+                    got = Ok(v);
+                    break;
+                }
+                Ok(_) => got = Err(format!("state: {addr} answered a collect oddly")),
+                Err(e) => got = Err(format!("state: collecting diffs from {addr}: {e}")),
+            }
+        }
+        let got = got?;
+        let aborted = self.aborted.lock().get(&tid).cloned().unwrap_or_default();
+        let mut segs = self.segs.lock();
+        for (url, diffs) in got {
+            let e = segs
+                .get_mut(&url.path)
+                .ok_or_else(|| format!("state: diffs for unknown segment {url}"))?;
+            if e.core.held(tid) != Some(LockMode::Write) {
+                return Err(format!("state: diffs for {url}, not write-locked"));
+            }
+            for (id, sub, bytes) in diffs {
+                if aborted.iter().any(|a| a.is_ancestor_or_self(&sub)) {
+                    continue;
+                }
+                let d = codec::decode_diff(&bytes, self.cfg.max_bytes)
+                    .map_err(|e| format!("state: held diff of {url}: {e}"))?;
+                e.core
+                    .submit_tagged(tid, sub, d, id)
+                    .map_err(|e| format!("state: held diff of {url}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits `tid`, first telling every node caching a segment `tid`
+    /// changes of its new version and waiting for each to acknowledge (or
+    /// for the lease of one that does not to run out). The last check for
+    /// nodes not yet told and the apply happen under one lock, so a node
+    /// that subscribed meanwhile is told too, and no copy is ever judged
+    /// against an older master than exists.
+    async fn commit_notified(&self, tid: Tid) {
+        let mut told: BTreeSet<(String, NodeId)> = BTreeSet::new();
+        loop {
+            let now = Instant::now();
+            let mut sends = Vec::new();
+            {
+                let mut segs = self.segs.lock();
+                for (path, e) in segs.iter_mut() {
+                    let Some((since, version, changed)) = e.core.pending_summary(tid) else {
+                        continue;
+                    };
+                    e.subs.retain(|_, until| *until > now);
+                    for (node, until) in &e.subs {
+                        if told.insert((path.clone(), *node)) {
+                            sends.push((
+                                *node,
+                                *until,
+                                PeerRequest::Notice {
+                                    url: e.core.master().url().clone(),
+                                    since,
+                                    version,
+                                    changed,
+                                },
+                            ));
+                        }
+                    }
+                }
+                if sends.is_empty() || self.rpc.get().is_none() {
+                    for e in segs.values_mut() {
+                        e.core.commit(tid);
+                    }
+                    self.prepared.lock().remove(&tid);
+                    break;
+                }
+            }
+            let rpc = self.rpc.get().expect("checked");
+            let calls = sends.into_iter().map(|(node, until, req)| async move {
+                let Ok(addr) = Address::new(PEER_SERVICE, node) else {
+                    return;
+                };
+                let acked = tokio::time::timeout_at(
+                    until.into(),
+                    rpc.call_payload(None, &addr, Payload::local(req), Some(until)),
+                )
+                .await;
+                if !matches!(acked, Ok(Ok(_))) {
+                    // It may still trust its copy until its lease runs out.
+                    tokio::time::sleep_until(until.into()).await;
+                }
+            });
+            futures::future::join_all(calls).await;
+        }
+        self.holders.lock().remove(&tid);
+        self.aborted.lock().remove(&tid);
         self.released.notify_waiters();
     }
 
@@ -610,6 +843,10 @@ impl Resource for HomeResource {
 
     fn prepare<'a>(&'a self, tid: Tid, log: &'a Log) -> BoxFuture<'a, Vote> {
         Box::pin(async move {
+            if let Err(e) = self.0.collect_held(tid).await {
+                self.0.release_all(tid, false);
+                return Vote::No(e);
+            }
             // Collect, append and note under the segments' lock (see
             // `write_checkpoint`).
             let appended = {
@@ -647,7 +884,7 @@ impl Resource for HomeResource {
     }
 
     fn commit(&self, tid: Tid) -> BoxFuture<'_, ()> {
-        Box::pin(async move { self.0.release_all(tid, true) })
+        Box::pin(async move { self.0.commit_notified(tid).await })
     }
 
     fn abort(&self, tid: Tid) -> BoxFuture<'_, ()> {
@@ -667,6 +904,11 @@ impl Resource for HomeResource {
         if !committed {
             for e in self.0.segs.lock().values_mut() {
                 e.core.sub_aborted(tid, path);
+            }
+            let mut ab = self.0.aborted.lock();
+            let v = ab.entry(tid).or_default();
+            if v.len() < 1024 {
+                v.push(path.clone());
             }
         }
     }
@@ -712,10 +954,7 @@ impl Plugin for StateHome {
                     let seg = Segment::from_image(img, inner.cfg.limits).map_err(plugin_failure)?;
                     inner.segs.lock().insert(
                         f.path,
-                        Entry {
-                            secret: f.secret,
-                            core: HomeSegment::new(seg, inner.cfg.home),
-                        },
+                        Entry::new(f.secret, HomeSegment::new(seg, inner.cfg.home)),
                     );
                 }
             }
@@ -728,9 +967,11 @@ impl Plugin for StateHome {
             match rec {
                 StateRecord::Created { path, secret } => {
                     let url = inner.url(&path)?;
-                    inner.segs.lock().entry(path).or_insert_with(|| Entry {
-                        secret,
-                        core: HomeSegment::new(Segment::new(url, inner.cfg.limits), inner.cfg.home),
+                    inner.segs.lock().entry(path).or_insert_with(|| {
+                        Entry::new(
+                            secret,
+                            HomeSegment::new(Segment::new(url, inner.cfg.limits), inner.cfg.home),
+                        )
                     });
                 }
                 StateRecord::Prepared { tid, segs } => {
@@ -780,6 +1021,7 @@ impl Plugin for StateHome {
     }
 
     fn serve(&self, rpc: &Rpc) -> Result<(), Failure> {
+        let _ = self.0.rpc.set(rpc.clone());
         let inner = Arc::clone(&self.0);
         let res: Arc<dyn Resource> = Arc::new(HomeResource(Arc::clone(&self.0)));
         rpc.register(

@@ -213,14 +213,151 @@ async fn a_recent_enough_cached_copy_is_read_with_no_message() {
         .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(c2.stats().lock_messages, after.lock_messages + 1);
-    // Without version notices from the home, Delta and Diff cannot be
-    // guaranteed locally: they ask (and so never exceed their bound).
+    // The home tells this node of every new version while its lease lasts
+    // (the Full read renewed it): Delta and Diff decide locally too.
     for model in [Coherence::Delta(1000), Coherence::Diff(50.0)] {
         let before = c2.stats().lock_messages;
         let tx = c.node(2).begin();
         c2.read(tx.context(), &u, &model, |_| ()).await.unwrap();
         tx.commit().await.unwrap();
-        assert_eq!(c2.stats().lock_messages, before + 1, "{model}");
+        assert_eq!(c2.stats().lock_messages, before, "{model}");
+    }
+}
+
+/// A cluster whose homes keep notice leases for a minute (so a test never
+/// depends on how fast the machine is).
+async fn long_lease_cluster(n: u32, seed: u64) -> (Cluster, Vec<StateHome>) {
+    let homes: Vec<StateHome> = (0..n)
+        .map(|_| {
+            StateHome::new(HomeConfig {
+                lock_wait: Duration::from_millis(300),
+                notice_lease: Duration::from_secs(60),
+                ..HomeConfig::default()
+            })
+        })
+        .collect();
+    let h2 = homes.clone();
+    let c = Cluster::start_with(n, seed, move |id, b| {
+        b.plugin(Arc::new(h2[(id - 1) as usize].clone()))
+    })
+    .await;
+    (c, homes)
+}
+
+/// Commits `counter = v` from `client` at `node`.
+async fn set_counter(client: &StateClient, node: &weft::Node, u: &SegUrl, v: i64) {
+    let tx = node.begin();
+    client
+        .write(tx.context(), u, |w| w.write(&counter(), &v))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_notices_let_a_delta_reader_skip_the_home() {
+    let (c, homes) = long_lease_cluster(3, 1811).await;
+    let w = StateClient::new(c.node(2).rpc().clone());
+    let r = StateClient::new(c.node(3).rpc().clone());
+    let u = seed_segment(&w, c.node(2), "notice").await;
+    wait_for("seed applied", Duration::from_secs(30), || {
+        homes[0].master("notice").unwrap().version() == 1
+    })
+    .await;
+    r.open(&u, SECRET, false).await.unwrap();
+    let read = |model: Coherence| {
+        let r = r.clone();
+        let u = u.clone();
+        let node = c.node(3).clone();
+        async move {
+            let tx = node.begin();
+            let v = r
+                .read(tx.context(), &u, &model, |s| s.read::<i64>(&counter()))
+                .await
+                .unwrap()
+                .unwrap();
+            tx.commit().await.unwrap();
+            v
+        }
+    };
+    // One new version: the home told the reader before applying it.
+    set_counter(&w, c.node(2), &u, 1).await;
+    wait_for("v2 applied", Duration::from_secs(30), || {
+        homes[0].master("notice").unwrap().version() == 2
+    })
+    .await;
+    assert!(r.stats().notices >= 1, "the reader heard of v2");
+    let before = r.stats();
+    assert_eq!(read(Coherence::Delta(1)).await, 0, "one behind: cached");
+    assert_eq!(
+        read(Coherence::Diff(100.0)).await,
+        0,
+        "one unit of one changed: cached"
+    );
+    assert_eq!(r.stats().lock_messages, before.lock_messages, "no message");
+    assert_eq!(r.stats().local_grants, before.local_grants + 2);
+    // Delta(0) and a tight Diff bound know the copy is behind: they ask.
+    assert_eq!(read(Coherence::Delta(0)).await, 1);
+    assert_eq!(r.stats().lock_messages, before.lock_messages + 1);
+    // Two more versions: Delta(1) is now out of bounds.
+    set_counter(&w, c.node(2), &u, 2).await;
+    set_counter(&w, c.node(2), &u, 3).await;
+    wait_for("v4 applied", Duration::from_secs(30), || {
+        homes[0].master("notice").unwrap().version() == 4
+    })
+    .await;
+    let before = r.stats();
+    assert_eq!(read(Coherence::Delta(1)).await, 3, "two behind: asks");
+    assert_eq!(r.stats().lock_messages, before.lock_messages + 1);
+    assert_eq!(read(Coherence::Delta(1)).await, 3);
+    assert_eq!(r.stats().lock_messages, before.lock_messages + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callee_with_proactive_diffs_sees_the_callers_uncommitted_update() {
+    let (c, homes) = cluster(3, 1812).await;
+    let c2 = StateClient::new(c.node(2).rpc().clone());
+    let c3 = register_probe(c.node(3));
+    let u = seed_segment(&c2, c.node(2), "push").await;
+    let probe = Address::new("probe", NodeId(3)).unwrap();
+    for round in 1..=6i64 {
+        let fetched = c3.stats().peer_fetches;
+        let used = c3.stats().pushed_used;
+        let tx = c.node(2).begin();
+        c2.write(tx.context(), &u, |w| w.write(&counter(), &(round * 10)))
+            .await
+            .unwrap();
+        let seen: i64 = tx
+            .call(
+                &probe,
+                Probe {
+                    url: u.to_string(),
+                    add: 0,
+                    fail: false,
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(seen, round * 10, "round {round}: the caller's update");
+        tx.commit().await.unwrap();
+        wait_for("round committed", Duration::from_secs(30), || {
+            read_counter(&homes[0], "push") == round * 10
+        })
+        .await;
+        let s = c3.stats();
+        if round <= 3 {
+            assert_eq!(
+                (s.peer_fetches, s.pushed_used),
+                (fetched + 1, used),
+                "round {round}: fetched from the caller's node"
+            );
+        } else {
+            assert_eq!(
+                (s.peer_fetches, s.pushed_used),
+                (fetched, used + 1),
+                "round {round}: shipped with the request"
+            );
+        }
     }
 }
 
@@ -340,11 +477,8 @@ async fn an_aborted_sub_transactions_updates_vanish_while_the_parents_stay() {
         .await
         .unwrap_err();
     assert_eq!(e.status, Status::AppError);
-    // The sub-transaction's end reaches the home asynchronously.
-    wait_for("sub abort applied", Duration::from_secs(30), || {
-        homes[0].tx_version("nested", tx.tid()) == Some(2)
-    })
-    .await;
+    // Diffs stay at their writers until the root ends: the home has none.
+    assert_eq!(homes[0].tx_version("nested", tx.tid()), Some(1));
     let v = c2
         .read(tx.context(), &u, &Coherence::Full, |s| {
             s.read::<i64>(&counter())
@@ -502,7 +636,7 @@ async fn committed_versions_survive_a_crash_through_the_log_and_a_checkpoint() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_home_fails_lock_attempts_while_relaxed_copies_stay_readable() {
+async fn a_dead_home_fails_lock_attempts_while_relaxed_copies_stay_readable_marked_stale() {
     let (c, homes) = cluster(2, 1808).await;
     let c2 = StateClient::new(c.node(2).rpc().clone());
     let u = seed_segment(&c2, c.node(2), "dead").await;
@@ -534,6 +668,15 @@ async fn a_dead_home_fails_lock_attempts_while_relaxed_copies_stay_readable() {
         .await
         .unwrap();
     assert_eq!((v.unwrap(), moved), (0, 0));
+    assert!(c2.is_stale(&u), "the copy is marked stale");
+    // Even a model the copy cannot be shown to meet (Delta(0) needs the
+    // home) reads it, still marked stale, rather than failing.
+    let (v, moved) = c2
+        .peek(&u, &Coherence::Delta(0), |s| s.read::<i64>(&counter()))
+        .await
+        .unwrap();
+    assert_eq!((v.unwrap(), moved), (0, 0));
+    assert!(c2.is_stale(&u));
     // Full needs the home.
     assert!(c2.peek(&u, &Coherence::Full, |_| ()).await.is_err());
 }

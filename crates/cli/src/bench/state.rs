@@ -9,9 +9,16 @@
 //! - A read lock on a recent-enough cached copy against a one-RPC read.
 //! - A null RPC carrying the TMT of one segment against a transactional null
 //!   RPC without it.
-//! - A call chain whose callee reads its caller's uncommitted update (plain:
-//!   the callee fetches the diff from the home). Proactive diffs are not
-//!   built, so `chain_proactive_us` is not reported.
+//! - A call chain (InterWeave's §4 microbenchmark): in one transaction the
+//!   caller on node 2 write-locks the segment (lock), changes a record
+//!   (local), collects the diff (collect), calls a callee on node 1 that
+//!   sees that uncommitted update and changes another record (rpc), reads
+//!   the callee's update (apply) and commits (commit). Plain: every diff
+//!   is fetched on demand from the node that holds it; proactive: after
+//!   three fetches in a row the holder ships its diffs with the request (and
+//!   the callee with its reply). `chain_*_us` is the call's critical path,
+//!   rpc + apply, as the paper compares; `chain_*_total_us` the whole
+//!   transaction.
 //!
 //! Owns only measuring; never asserts a target (it prints PASS/MISS).
 
@@ -53,6 +60,9 @@ pub struct StateArgs {
     /// Measured null calls per configuration.
     #[arg(long, default_value_t = 2000)]
     pub calls: usize,
+    /// The home's version-notice lease in milliseconds (0: no notices).
+    #[arg(long, default_value_t = 1000)]
+    pub notice_lease_ms: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -65,6 +75,37 @@ struct ChainReq {
 
 fn records() -> BlockRef {
     BlockRef::Name("records".into())
+}
+
+/// The paper's phases of one call chain, and what moved.
+#[derive(Default)]
+struct ChainPhases {
+    lock: Latency,
+    local: Latency,
+    collect: Latency,
+    rpc: Latency,
+    apply: Latency,
+    commit: Latency,
+    /// rpc + apply: the call's critical path.
+    path: Latency,
+    total: Latency,
+    fetches: u64,
+    pushed: u64,
+}
+
+impl ChainPhases {
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "lock": self.lock.p50(),
+            "local": self.local.p50(),
+            "collect": self.collect.p50(),
+            "rpc": self.rpc.p50(),
+            "apply": self.apply.p50(),
+            "commit": self.commit.p50(),
+            "diff_fetches": self.fetches,
+            "pushed_used": self.pushed,
+        })
+    }
 }
 
 /// Least-squares fit of y on x: r².
@@ -81,9 +122,19 @@ fn r_squared(points: &[(f64, f64)]) -> f64 {
     (sxy * sxy) / (sxx * syy)
 }
 
+/// The committed version of `path` (from the listing: no copy of the
+/// segment is made, so polling does not slow the home down).
+fn version_of(home: &StateHome, path: &str) -> u64 {
+    let url = format!("weft://1/{path}");
+    home.list()
+        .into_iter()
+        .find(|s| s.url == url)
+        .map_or(0, |s| s.version)
+}
+
 async fn wait_version(home: &StateHome, path: &str, v: u64) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    while home.master(path).map_or(0, |s| s.version()) < v {
+    while version_of(home, path) < v {
         if Instant::now() > deadline {
             break;
         }
@@ -99,7 +150,10 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         shm: false,
         tcp: true,
     };
-    let home = StateHome::new(HomeConfig::default());
+    let home = StateHome::new(HomeConfig {
+        notice_lease: Duration::from_millis(args.notice_lease_ms),
+        ..HomeConfig::default()
+    });
     let a = Node::builder(1)
         .listen("127.0.0.1:0".parse()?)
         .channels(tcp_only)
@@ -194,7 +248,7 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         let mut bytes = 0u64;
         for rep in 0..args.reps + 1 {
             round += 1;
-            let v0 = home.master("bench").map_or(0, |s| s.version());
+            let v0 = version_of(&home, "bench");
             let tx = a.begin();
             writer
                 .write(tx.context(), &url, |w| {
@@ -242,20 +296,26 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     let pb = progress("cached read lock against a one-RPC read");
     reader.refresh(&url).await?;
     let mut cached = Latency::default();
+    let mut cached_delta = Latency::default();
     let mut one_rpc = Latency::default();
     let model = Coherence::Temporal(Duration::from_secs(3600));
+    let delta = Coherence::Delta(1000);
+    let asked = reader.stats().lock_messages;
     for i in 0..args.calls {
-        let tx = b.begin();
-        let t = Instant::now();
-        reader.read(tx.context(), &url, &model, |_| ()).await?;
-        if i > 0 {
-            cached.record(t.elapsed());
+        for (m, lat) in [(&model, &mut cached), (&delta, &mut cached_delta)] {
+            let tx = b.begin();
+            let t = Instant::now();
+            reader.read(tx.context(), &url, m, |_| ()).await?;
+            if i > 0 {
+                lat.record(t.elapsed());
+            }
+            tx.commit().await?;
         }
-        tx.commit().await?;
         let t = Instant::now();
         reader.refresh(&url).await?;
         one_rpc.record(t.elapsed());
     }
+    let cached_asked = reader.stats().lock_messages - asked;
     pb.finish_and_clear();
 
     // Null RPC with and without the TMT of one segment.
@@ -285,7 +345,8 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     }
     pb.finish_and_clear();
 
-    // Call chain: node 2's caller writes, node 1's callee reads the update.
+    // Call chain: node 2's caller writes, node 1's callee reads the update
+    // and writes its own, the caller reads that back and commits.
     let callee = writer.clone();
     a.rpc().register(
         "chain",
@@ -301,53 +362,79 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
                     .cloned()
                     .ok_or_else(|| weft::Failure::new(weft::Status::BadRequest, "no tx"))?;
                 let v = cl
-                    .read(&tx, &u, &Coherence::Full, |s| {
-                        s.read_at::<Rec>(&records(), 0).map(|r| r.a)
+                    .write(&tx, &u, |w| {
+                        let seen = w.segment().read_at::<i64>(&records(), 1)?;
+                        w.write_at(&records(), 5, &seen)?;
+                        Ok(seen)
                     })
-                    .await?
-                    .map_err(|e| weft::Failure::new(e.status(), e.to_string()))?;
+                    .await?;
                 Ok::<i64, weft::Failure>(v)
             }
         },
     )?;
     let chain: Address = "chain@1".parse()?;
-    let pb = progress("call chain: callee reads the caller's uncommitted update");
-    let (mut ph_local, mut ph_rpc, mut ph_commit, mut total) = (
-        Latency::default(),
-        Latency::default(),
-        Latency::default(),
-        Latency::default(),
-    );
-    for i in 0..args.reps * 4 + 1 {
-        round += 1;
-        let t0 = Instant::now();
-        let tx = b.begin();
-        reader
-            .write(tx.context(), &url, |w| w.write_at(&records(), 1, &round))
-            .await?;
-        let t1 = Instant::now();
-        let seen: i64 = tx
-            .call(
-                &chain,
-                ChainReq {
-                    url: url.to_string(),
-                },
-            )
-            .await?;
-        let t2 = Instant::now();
-        tx.commit().await?;
-        let t3 = Instant::now();
-        if seen != round {
-            anyhow::bail!("the callee saw {seen}, not the caller's uncommitted {round}");
+    let mut chains = Vec::new();
+    for proactive in [false, true] {
+        writer.set_proactive(proactive);
+        reader.set_proactive(proactive);
+        let pb = progress(&format!(
+            "call chain ({}): callee sees the caller's uncommitted update",
+            if proactive { "proactive" } else { "plain" }
+        ));
+        let mut ph = ChainPhases::default();
+        let (fetches0, pushed0) = (
+            reader.stats().peer_fetches + writer.stats().peer_fetches,
+            reader.stats().pushed_used + writer.stats().pushed_used,
+        );
+        let warm = 4;
+        for i in 0..args.reps * 4 + warm {
+            round += 1;
+            let t0 = Instant::now();
+            let tx = b.begin();
+            reader
+                .write(tx.context(), &url, |w| w.write_at(&records(), 1, &round))
+                .await?;
+            let w = reader.last_write_phases();
+            let t1 = Instant::now();
+            let seen: i64 = tx
+                .call(
+                    &chain,
+                    ChainReq {
+                        url: url.to_string(),
+                    },
+                )
+                .await?;
+            let t2 = Instant::now();
+            let back = reader
+                .read(tx.context(), &url, &Coherence::Full, |s| {
+                    s.read_at::<i64>(&records(), 5)
+                })
+                .await??;
+            let t3 = Instant::now();
+            tx.commit().await?;
+            let t4 = Instant::now();
+            if seen != round || back != round {
+                anyhow::bail!(
+                    "the callee saw {seen} and the caller {back}, not the uncommitted {round}"
+                );
+            }
+            if i >= warm {
+                ph.lock.record(w.lock);
+                ph.local.record(w.local);
+                ph.collect.record(w.collect);
+                ph.rpc.record(t2 - t1);
+                ph.apply.record(t3 - t2);
+                ph.commit.record(t4 - t3);
+                ph.path.record(t3 - t1);
+                ph.total.record(t4 - t0);
+            }
         }
-        if i > 0 {
-            ph_local.record(t1 - t0);
-            ph_rpc.record(t2 - t1);
-            ph_commit.record(t3 - t2);
-            total.record(t3 - t0);
-        }
+        ph.fetches = reader.stats().peer_fetches + writer.stats().peer_fetches - fetches0;
+        ph.pushed = reader.stats().pushed_used + writer.stats().pushed_used - pushed0;
+        pb.finish_and_clear();
+        chains.push(ph);
     }
-    pb.finish_and_clear();
+    let (plain_chain, pro_chain) = (&chains[0], &chains[1]);
 
     let full_us = full.p50();
     println!(
@@ -361,8 +448,10 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     }
     println!("  update time linear in x: r^2 = {:.3}", r2_fit);
     println!(
-        "  cached read lock {} us, one-RPC read {} us",
+        "  cached read lock: temporal {} us, delta {} us ({cached_asked} messages in {} reads); one-RPC read {} us",
         cached.p50(),
+        cached_delta.p50(),
+        2 * args.calls,
         one_rpc.p50()
     );
     println!(
@@ -370,14 +459,21 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         plain.p50(),
         with_tmt.p50()
     );
-    println!(
-        "  chain (plain) {} us: caller lock+local+collect+submit {} us, rpc (callee lock+fetch+apply) {} us, commit {} us",
-        total.p50(),
-        ph_local.p50(),
-        ph_rpc.p50(),
-        ph_commit.p50()
-    );
-    println!("  proactive diffs: not built (chain_proactive_us not reported)");
+    for (name, ph) in [("plain", plain_chain), ("proactive", pro_chain)] {
+        println!(
+            "  chain ({name}): critical path rpc+apply {} us, whole transaction {} us; lock {} local {} collect {} rpc {} apply {} commit {} us; {} diff fetches, {} pushed diffs used",
+            ph.path.p50(),
+            ph.total.p50(),
+            ph.lock.p50(),
+            ph.local.p50(),
+            ph.collect.p50(),
+            ph.rpc.p50(),
+            ph.apply.p50(),
+            ph.commit.p50(),
+            ph.fetches,
+            ph.pushed
+        );
+    }
     let get = |p: u32| curve.iter().find(|(x, _)| *x == p).map_or(0.0, |(_, v)| *v);
     println!("targets (same run):");
     check(
@@ -400,6 +496,18 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         0.05,
     );
     check(
+        "cached_read_delta_us / rpc_read_us",
+        cached_delta.p50() / one_rpc.p50(),
+        "<=",
+        0.05,
+    );
+    check(
+        "chain_proactive_us / chain_plain_us",
+        pro_chain.path.p50() / plain_chain.path.p50(),
+        "<=",
+        0.6,
+    );
+    check(
         "tmt_null_rpc_us / tx_null_rpc_us",
         with_tmt.p50() / plain.p50(),
         "<=",
@@ -414,13 +522,14 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         "rpc_read_us": one_rpc.p50(),
         "tmt_null_rpc_us": with_tmt.p50(),
         "tx_null_rpc_us": plain.p50(),
-        "chain_plain_us": total.p50(),
-        "chain_phases_us": {
-            "caller_lock_local_collect_submit": ph_local.p50(),
-            "rpc_callee_lock_fetch_apply": ph_rpc.p50(),
-            "commit": ph_commit.p50(),
-        },
-        "chain_proactive_us": serde_json::Value::Null,
+        "cached_read_delta_us": cached_delta.p50(),
+        "cached_read_messages": cached_asked,
+        "chain_plain_us": plain_chain.path.p50(),
+        "chain_proactive_us": pro_chain.path.p50(),
+        "chain_plain_total_us": plain_chain.total.p50(),
+        "chain_proactive_total_us": pro_chain.total.p50(),
+        "chain_plain_phases_us": plain_chain.json(),
+        "chain_proactive_phases_us": pro_chain.json(),
     });
     for ((pct, us), bytes) in curve.iter().zip(&moved) {
         j[format!("update_pct_{pct}_us")] = serde_json::json!(us);

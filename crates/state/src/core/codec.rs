@@ -245,7 +245,35 @@ fn decode_body<'a, T: Deserialize<'a>>(
     Ok(v)
 }
 
-/// The wire form of a diff.
+#[derive(Serialize)]
+enum WireOpRef<'a> {
+    Alloc {
+        serial: u32,
+        name: &'a Option<String>,
+        ty: u32,
+        data: &'a [Unit],
+    },
+    Free {
+        serial: u32,
+    },
+    Write {
+        serial: u32,
+        start: u64,
+        units: &'a [Unit],
+    },
+}
+
+#[derive(Serialize)]
+struct WireDiffRef<'a> {
+    base: u64,
+    target: u64,
+    deps: Vec<(&'a SegUrl, u64)>,
+    next_serial: u32,
+    types: Vec<WireType>,
+    ops: Vec<WireOpRef<'a>>,
+}
+
+/// The wire form of a diff (encoded straight from it: no unit is copied).
 pub fn encode_diff(d: &Diff) -> Vec<u8> {
     let mut it = Interner::default();
     let ops = d
@@ -257,28 +285,28 @@ pub fn encode_diff(d: &Diff) -> Vec<u8> {
                 name,
                 ty,
                 data,
-            } => WireOp::Alloc {
+            } => WireOpRef::Alloc {
                 serial: *serial,
-                name: name.clone(),
+                name,
                 ty: it.intern(ty),
-                data: data.clone(),
+                data,
             },
-            DiffOp::Free { serial } => WireOp::Free { serial: *serial },
+            DiffOp::Free { serial } => WireOpRef::Free { serial: *serial },
             DiffOp::Write {
                 serial,
                 start,
                 units,
-            } => WireOp::Write {
+            } => WireOpRef::Write {
                 serial: *serial,
                 start: *start,
-                units: units.clone(),
+                units,
             },
         })
         .collect();
-    let w = WireDiff {
+    let w = WireDiffRef {
         base: d.base,
         target: d.target,
-        deps: d.deps.iter().map(|(u, v)| (u.clone(), *v)).collect(),
+        deps: d.deps.iter().map(|(u, v)| (u, *v)).collect(),
         next_serial: d.next_serial,
         types: it.nodes,
         ops,

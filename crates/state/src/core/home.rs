@@ -55,8 +55,9 @@ pub enum Refresh {
 #[derive(Clone, Debug)]
 struct Tentative {
     seg: Segment,
-    /// Each diff with the (sub-)transaction that wrote it.
-    diffs: Vec<(SubPath, Diff)>,
+    /// Each diff with the (sub-)transaction that wrote it and its
+    /// identifier (0: none given).
+    diffs: Vec<(SubPath, Diff, u64)>,
     /// A sub-transaction's diffs were undone: version numbers were reused.
     sub_aborted: bool,
 }
@@ -73,6 +74,9 @@ pub struct HomeSegment {
     writer: Option<Tid>,
     pending: BTreeMap<Tid, Tentative>,
     committed: VecDeque<Tid>,
+    /// The identifier of the diff that produced the master's version (0:
+    /// unknown).
+    tag: u64,
     limits: HomeLimits,
 }
 
@@ -86,6 +90,7 @@ impl HomeSegment {
             writer: None,
             pending: BTreeMap::new(),
             committed: VecDeque::new(),
+            tag: 0,
             limits,
         }
     }
@@ -93,6 +98,12 @@ impl HomeSegment {
     /// The committed master copy.
     pub fn master(&self) -> &Segment {
         &self.master
+    }
+
+    /// The identifier of the diff that produced the master's version (0:
+    /// unknown, e.g. after recovery).
+    pub fn tag(&self) -> u64 {
+        self.tag
     }
 
     /// Transactions holding a lock (readers and the writer).
@@ -160,6 +171,16 @@ impl HomeSegment {
         }
     }
 
+    /// The one committed diff from `have` to the master's version, when
+    /// exactly one separates them and it is smaller than the segment (what
+    /// [`HomeSegment::refresh`] would chain, without copying it).
+    pub fn only_diff_since(&self, have: u64) -> Option<&Diff> {
+        self.history
+            .back()
+            .filter(|d| d.base == have && d.target == self.master.version())
+            .filter(|d| d.units() < self.master.units())
+    }
+
     /// Units the retained diffs since `have` carry (`None`: not retained).
     fn units_since(&self, have: u64) -> Option<u64> {
         let first = self.history.iter().position(|d| d.base == have)?;
@@ -189,6 +210,18 @@ impl HomeSegment {
     /// [`Segment::apply`] statuses for a bad diff, or
     /// [`StateError::LimitExceeded`] past [`HomeLimits::max_pending`].
     pub fn submit(&mut self, tid: Tid, path: SubPath, diff: Diff) -> Result<u64, StateError> {
+        self.submit_tagged(tid, path, diff, 0)
+    }
+
+    /// [`HomeSegment::submit`] of a diff with identifier `id` (given by the
+    /// writer that held it; it becomes the master's tag at commit).
+    pub fn submit_tagged(
+        &mut self,
+        tid: Tid,
+        path: SubPath,
+        diff: Diff,
+        id: u64,
+    ) -> Result<u64, StateError> {
         if self.writer != Some(tid) {
             return Err(StateError::TxLockClash(format!(
                 "{} (a diff needs the write lock)",
@@ -207,7 +240,7 @@ impl HomeSegment {
             ));
         }
         t.seg.apply(&diff)?;
-        t.diffs.push((path, diff));
+        t.diffs.push((path, diff, id));
         Ok(t.seg.version())
     }
 
@@ -222,14 +255,14 @@ impl HomeSegment {
         let Some(cut) = t
             .diffs
             .iter()
-            .position(|(p, _)| path.is_ancestor_or_self(p))
+            .position(|(p, _, _)| path.is_ancestor_or_self(p))
         else {
             return;
         };
         t.diffs.truncate(cut);
         t.sub_aborted = true;
         let mut seg = self.master.clone();
-        for (_, d) in &t.diffs {
+        for (_, d, _) in &t.diffs {
             if seg.apply(d).is_err() {
                 debug_assert!(false, "a prefix of checked diffs failed to replay");
             }
@@ -249,7 +282,7 @@ impl HomeSegment {
     pub fn pending_since(&self, tid: Tid, have: u64) -> Option<Diff> {
         let t = self.pending.get(&tid)?;
         let mut out: Option<Diff> = None;
-        for (_, d) in t.diffs.iter().filter(|(_, d)| d.base >= have) {
+        for (_, d, _) in t.diffs.iter().filter(|(_, d, _)| d.base >= have) {
             match &mut out {
                 None => out = Some(d.clone()),
                 Some(o) => o.chain(d).ok()?,
@@ -258,11 +291,22 @@ impl HomeSegment {
         out
     }
 
+    /// What committing `tid` would do to the master: (its version now, the
+    /// version after, units changed). `None` when `tid` changes nothing.
+    pub fn pending_summary(&self, tid: Tid) -> Option<(u64, u64, u64)> {
+        let t = self.pending.get(&tid)?;
+        if t.diffs.is_empty() {
+            return None;
+        }
+        let changed = t.diffs.iter().map(|(_, d, _)| d.units()).sum();
+        Some((self.master.version(), t.seg.version(), changed))
+    }
+
     /// `tid`'s uncommitted diffs, in order (what prepare logs).
     pub fn prepared(&self, tid: Tid) -> Vec<Diff> {
         self.pending
             .get(&tid)
-            .map(|t| t.diffs.iter().map(|(_, d)| d.clone()).collect())
+            .map(|t| t.diffs.iter().map(|(_, d, _)| d.clone()).collect())
             .unwrap_or_default()
     }
 
@@ -296,9 +340,10 @@ impl HomeSegment {
                     self.committed.pop_front();
                 }
             }
-            for (_, d) in t.diffs {
-                match self.master.apply(&d) {
+            for (_, d, id) in t.diffs {
+                match self.master.apply_owned(d.clone()) {
                     Ok(()) => {
+                        self.tag = id;
                         changed += d.units();
                         self.history.push_back(d);
                         while self.history.len() > self.limits.history {
@@ -326,6 +371,7 @@ impl HomeSegment {
             return Ok(());
         }
         self.master.apply(d)?;
+        self.tag = 0;
         self.history.push_back(d.clone());
         while self.history.len() > self.limits.history {
             self.history.pop_front();

@@ -11,6 +11,7 @@
 //! [`MAX_TMT_SEGMENTS`] segments or [`MAX_DIFFS_PER_SEGMENT`] diffs each.
 
 use serde::{Deserialize, Serialize};
+use weft_wire::ids::SubPath;
 
 use super::error::StateError;
 use super::mip::SegUrl;
@@ -34,13 +35,19 @@ pub enum LockMode {
 }
 
 /// Where one uncommitted diff lives: it takes the segment to `target` and is
-/// held by process `at` (a node name the runtime can call).
+/// held by process `at` (a node name the runtime can call) under the
+/// identifier `id`, written in sub-transaction `sub`.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub struct DiffLoc {
     /// The version the diff produces.
     pub target: u64,
     /// The process holding it.
     pub at: String,
+    /// Its identifier (unique: a version number can be reused after a
+    /// sub-transaction aborts, an identifier never is).
+    pub id: u64,
+    /// The (sub-)transaction that wrote it.
+    pub sub: SubPath,
 }
 
 /// What the transaction knows about one segment.
@@ -55,6 +62,9 @@ pub struct TmtEntry {
     pub active: Option<(String, LockMode)>,
     /// The master version when the lock was granted.
     pub master_version: u64,
+    /// The identifier of the diff that produced that master version (0:
+    /// unknown).
+    pub master_tag: u64,
     /// The latest version in this transaction (tentative when > master).
     pub latest: u64,
     /// Uncommitted diffs, in version order.
@@ -117,9 +127,13 @@ impl Tmt {
         url: &SegUrl,
         mode: LockMode,
         master_version: u64,
+        master_tag: u64,
     ) -> Result<(), StateError> {
         if let Some(e) = self.get_mut(url) {
             e.mode = e.mode.max(mode);
+            if master_version > e.master_version {
+                e.master_tag = master_tag;
+            }
             e.master_version = e.master_version.max(master_version);
             e.latest = e.latest.max(master_version);
             return Ok(());
@@ -134,16 +148,24 @@ impl Tmt {
             mode,
             active: None,
             master_version,
+            master_tag,
             latest: master_version,
             diffs: Vec::new(),
         });
         Ok(())
     }
 
-    /// Records that process `at` created the diff to version `target`.
-    /// Fails with [`StateError::LimitExceeded`] or, for an unlocked segment,
-    /// [`StateError::BadDiff`].
-    pub fn created_diff(&mut self, url: &SegUrl, target: u64, at: &str) -> Result<(), StateError> {
+    /// Records that process `at` created the diff `id` to version `target`
+    /// in sub-transaction `sub`. Fails with [`StateError::LimitExceeded`] or,
+    /// for an unlocked segment, [`StateError::BadDiff`].
+    pub fn created_diff(
+        &mut self,
+        url: &SegUrl,
+        target: u64,
+        at: &str,
+        id: u64,
+        sub: &SubPath,
+    ) -> Result<(), StateError> {
         let e = self.get_mut(url).ok_or_else(|| {
             StateError::BadDiff(format!("{url} is not locked in this transaction"))
         })?;
@@ -152,12 +174,45 @@ impl Tmt {
                 "more than {MAX_DIFFS_PER_SEGMENT} uncommitted diffs on {url}"
             )));
         }
-        e.latest = e.latest.max(target);
+        e.diffs.retain(|d| d.target < target);
+        e.latest = target;
         e.diffs.push(DiffLoc {
             target,
             at: at.to_string(),
+            id,
+            sub: sub.clone(),
         });
         Ok(())
+    }
+
+    /// Forgets the diffs written inside the aborted sub-transactions
+    /// `aborted` (and everything after the first of them: later diffs were
+    /// built on it), so the transaction's latest version is again the last
+    /// surviving diff's. Returns true when something was forgotten.
+    pub fn prune(&mut self, aborted: &[SubPath]) -> bool {
+        let mut any = false;
+        for e in &mut self.entries {
+            if let Some(cut) = e
+                .diffs
+                .iter()
+                .position(|d| aborted.iter().any(|a| a.is_ancestor_or_self(&d.sub)))
+            {
+                e.diffs.truncate(cut);
+                e.latest = e.diffs.last().map_or(e.master_version, |d| d.target);
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// The identifier of what version `version` of `url` is in this
+    /// transaction: the diff that produced it, or the master's tag.
+    pub fn tag_at(&self, url: &SegUrl, version: u64) -> Option<u64> {
+        let e = self.get(url)?;
+        if version == e.master_version {
+            return Some(e.master_tag);
+        }
+        e.diffs.iter().find(|d| d.target == version).map(|d| d.id)
     }
 
     /// Merges a table that came back from a callee (or arrived with a call):
@@ -180,12 +235,24 @@ impl Tmt {
                         e.active = o.active.clone();
                     }
                     e.latest = e.latest.max(o.latest);
+                    if o.master_version > e.master_version {
+                        e.master_tag = o.master_tag;
+                    }
                     for d in &o.diffs {
-                        if !e.diffs.iter().any(|x| x.target == d.target) {
+                        if !e.diffs.iter().any(|x| x.id == d.id) {
                             e.diffs.push(d.clone());
                         }
                     }
                     e.diffs.sort_by_key(|d| d.target);
+                    // A later table replaces a version reused after a
+                    // sub-transaction abort: keep one diff per version,
+                    // the one the later side knows.
+                    if o.latest >= e.latest {
+                        e.diffs.retain(|d| {
+                            o.diffs.iter().any(|x| x.id == d.id)
+                                || !o.diffs.iter().any(|x| x.target == d.target)
+                        });
+                    }
                     if e.diffs.len() > MAX_DIFFS_PER_SEGMENT {
                         return Err(StateError::LimitExceeded("TMT diffs".into()));
                     }
@@ -248,10 +315,10 @@ mod tests {
         let mut t = Tmt::default();
         let a = url("a");
         assert_eq!(t.lock_case(&a, "p1", LockMode::Read), LockCase::Acquire);
-        t.granted(&a, LockMode::Read, 4).unwrap();
+        t.granted(&a, LockMode::Read, 4, 0).unwrap();
         assert_eq!(t.lock_case(&a, "p1", LockMode::Read), LockCase::Local);
         assert_eq!(t.lock_case(&a, "p1", LockMode::Write), LockCase::Upgrade);
-        t.granted(&a, LockMode::Write, 4).unwrap();
+        t.granted(&a, LockMode::Write, 4, 0).unwrap();
         t.get_mut(&a).unwrap().active = Some(("p1".into(), LockMode::Write));
         assert_eq!(t.lock_case(&a, "p2", LockMode::Read), LockCase::Clash);
         assert_eq!(t.lock_case(&a, "p1", LockMode::Write), LockCase::Local);
@@ -264,12 +331,16 @@ mod tests {
     fn merge_keeps_later_versions_and_every_diff_once() {
         let a = url("a");
         let mut caller = Tmt::default();
-        caller.granted(&a, LockMode::Write, 4).unwrap();
-        caller.created_diff(&a, 5, "n1").unwrap();
+        caller.granted(&a, LockMode::Write, 4, 0).unwrap();
+        caller
+            .created_diff(&a, 5, "n1", 105, &SubPath::top())
+            .unwrap();
         let mut callee = Tmt::decode(&caller.encode()).unwrap();
         assert_eq!(callee, caller);
-        callee.created_diff(&a, 6, "n2").unwrap();
-        callee.granted(&url("b"), LockMode::Read, 9).unwrap();
+        callee
+            .created_diff(&a, 6, "n2", 106, &SubPath::top())
+            .unwrap();
+        callee.granted(&url("b"), LockMode::Read, 9, 0).unwrap();
         caller.merge(&callee).unwrap();
         let e = caller.get(&a).unwrap();
         assert_eq!(e.latest, 6);
@@ -281,10 +352,32 @@ mod tests {
             caller.missing(&a, 5),
             vec![DiffLoc {
                 target: 6,
-                at: "n2".into()
+                at: "n2".into(),
+                id: 106,
+                sub: SubPath::top(),
             }]
         );
         assert!(caller.get(&url("b")).is_some());
+    }
+
+    #[test]
+    fn an_aborted_subs_diffs_are_pruned_and_the_parents_stay() {
+        let a = url("a");
+        let mut t = Tmt::default();
+        t.granted(&a, LockMode::Write, 4, 77).unwrap();
+        let sub = SubPath::top().child(1);
+        t.created_diff(&a, 5, "n1", 1, &SubPath::top()).unwrap();
+        t.created_diff(&a, 6, "n2", 2, &sub).unwrap();
+        t.created_diff(&a, 7, "n2", 3, &sub.child(1)).unwrap();
+        assert_eq!(t.tag_at(&a, 4), Some(77));
+        assert_eq!(t.tag_at(&a, 6), Some(2));
+        assert!(!t.prune(&[SubPath::top().child(2)]));
+        assert!(t.prune(&[sub]));
+        let e = t.get(&a).unwrap();
+        assert_eq!((e.latest, e.diffs.len()), (5, 1));
+        // The parent writes on: version 6 again, under a new identifier.
+        t.created_diff(&a, 6, "n1", 4, &SubPath::top()).unwrap();
+        assert_eq!(t.tag_at(&a, 6), Some(4));
     }
 
     #[test]
