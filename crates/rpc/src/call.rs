@@ -232,6 +232,7 @@ impl Rpc {
                     class: opts.class,
                     participant: opts.participant,
                     handler: Arc::new(handler),
+                    served_ok: Default::default(),
                 }),
             );
         }
@@ -469,7 +470,13 @@ impl Rpc {
 
     /// Serves one request: joins its transaction, runs the handler, builds
     /// the response.
-    async fn serve(self, from: PeerRef, req: Request) -> Response {
+    /// `served_by` is set to the service found, for the caller's count.
+    async fn serve(
+        self,
+        from: PeerRef,
+        req: Request,
+        served_by: &mut Option<Arc<Service>>,
+    ) -> Response {
         let deadline = req
             .budget_us
             .map(|us| Instant::now() + Duration::from_micros(us));
@@ -482,6 +489,7 @@ impl Rpc {
         if !relay && service.is_none() {
             return Response::failure(0, self.no_such_service(&req.service, req.instance));
         }
+        served_by.clone_from(&service);
         let participant: Option<(Arc<dyn Resource>, ParticipationClass)> = service
             .as_ref()
             .and_then(|s| s.participant.clone().map(|p| (p, s.class)));
@@ -568,9 +576,10 @@ impl RequestHandler for Dispatch {
         }
         let fut: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(
             async move {
-                let resp = rpc.serve(from, request).await;
-                if let Some(service) = counted {
-                    count_call(&service, resp.status, from.channel);
+                let mut served_by = None;
+                let resp = rpc.serve(from, request, &mut served_by).await;
+                if let Some(name) = counted {
+                    count_call(served_by.as_deref(), &name, resp.status, from.channel);
                 }
                 responder.respond(resp);
             }
@@ -591,14 +600,14 @@ impl Rpc {
         let span = tracing::debug_span!("serve", service = %req.service);
         let _entered = span.enter();
         let Some(service) = self.service(&req.service, req.instance) else {
-            count_call(&req.service, Status::NoSuchService, from.channel);
+            count_call(None, &req.service, Status::NoSuchService, from.channel);
             responder.respond(Response::failure(
                 0,
                 self.no_such_service(&req.service, req.instance),
             ));
             return;
         };
-        let counted = weft_transport::metrics::exporting().then(|| req.service.clone());
+        let counted = weft_transport::metrics::exporting().then(|| service.clone());
         let deadline = req
             .budget_us
             .map(|us| Instant::now() + Duration::from_micros(us));
@@ -613,7 +622,7 @@ impl Rpc {
         if let Poll::Ready(result) = Pin::new(&mut fut).poll(&mut cx) {
             let resp = plain_response(result);
             if let Some(service) = &counted {
-                count_call(service, resp.status, from.channel);
+                count_call(Some(service), &service.name, resp.status, from.channel);
             }
             responder.respond(resp);
             return;
@@ -629,7 +638,7 @@ impl Rpc {
                 };
                 let resp = plain_response(result);
                 if let Some(service) = &counted {
-                    count_call(service, resp.status, from.channel);
+                    count_call(Some(service), &service.name, resp.status, from.channel);
                 }
                 responder.respond(resp);
             }
@@ -642,15 +651,32 @@ impl Rpc {
 /// (docs/metrics.md), only while an exporter is installed: the service's
 /// label is built from its name. A call to a service this node does not
 /// have counts as `service="_unknown"`, so that a caller cannot grow the
-/// registry by inventing names.
-fn count_call(service: &ServiceName, status: Status, channel: weft_transport::ChannelKind) {
+/// registry by inventing names. `service` is the service that served it, if
+/// any: a call it answered Ok is counted through the handle it keeps (one
+/// atomic add, no label built, no key looked up), as most calls are.
+fn count_call(
+    service: Option<&Service>,
+    name: &ServiceName,
+    status: Status,
+    channel: weft_transport::ChannelKind,
+) {
     if !weft_transport::metrics::exporting() {
+        return;
+    }
+    if let (Some(s), Status::Ok) = (service, status) {
+        s.served_ok[channel as usize]
+            .get_or_init(|| {
+                metrics::counter!("weft_rpc_calls_total",
+                    "service" => s.name.as_str().to_string(), "status" => "Ok",
+                    "channel" => channel.name())
+            })
+            .increment(1);
         return;
     }
     let service = if status == Status::NoSuchService {
         "_unknown".to_string()
     } else {
-        service.as_str().to_string()
+        name.as_str().to_string()
     };
     metrics::counter!("weft_rpc_calls_total",
         "service" => service, "status" => status.name(), "channel" => channel.name())

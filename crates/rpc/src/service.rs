@@ -88,6 +88,10 @@ pub(crate) struct Service {
     pub(crate) class: ParticipationClass,
     pub(crate) participant: Option<Arc<dyn Resource>>,
     pub(crate) handler: Arc<dyn Handler>,
+    /// `weft_rpc_calls_total{service=<name>,status="Ok",channel}` by
+    /// channel, registered at the first such call while exporting and kept:
+    /// counting a call answered Ok then builds no label and looks up no key.
+    pub(crate) served_ok: [std::sync::OnceLock<metrics::Counter>; 3],
 }
 
 /// A service as listed by `weft status`.

@@ -25,21 +25,23 @@
 //! encrypts in the sender's context as plaintext TCP writes there. TLS
 //! control records rustls wants to send on its own (an alert, a key update
 //! answer) leave with the next write, at the latest the next heartbeat.
+//! Frames inside TLS carry no CRC32C ([`Integrity::Trusted`]): the AEAD tag
+//! of every record authenticates them already.
 
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, BytesMut};
+use bytes::{Buf, BytesMut};
 use parking_lot::Mutex;
 use tokio::io::unix::AsyncFd;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use weft_wire::{
-    decode_frame, encode_frame, encode_message, peek_kind, Failure, Frame, FrameKind, Limits,
-    NodeId, Refused, Status,
+    decode_frame_with, encode_frame, encode_message_with, peek_kind, Failure, Frame, FrameKind,
+    Integrity, Limits, NodeId, Refused, Status,
 };
 
 use crate::channel::{io_error, ChannelKind, IoError, LinkIo};
@@ -86,6 +88,12 @@ pub(crate) struct TcpIo {
     desc: String,
     /// The TLS state of a TLS link: every byte in and out goes through it.
     tls: Option<Mutex<rustls::Connection>>,
+    /// Whether frames carry a CRC32C: on plain TCP they do; inside TLS
+    /// they do not, as every record's AEAD tag already authenticates each
+    /// byte (a damaged or altered record fails to decrypt and ends the
+    /// link), so a checksum could catch nothing and would cost a pass over
+    /// every frame on each side.
+    integrity: Integrity,
 }
 
 impl TcpIo {
@@ -116,6 +124,11 @@ impl TcpIo {
             closed: AtomicBool::new(false),
             stall,
             desc,
+            integrity: if tls.is_some() {
+                Integrity::Trusted
+            } else {
+                Integrity::Checksummed
+            },
             tls: tls.map(Mutex::new),
         }))
     }
@@ -141,7 +154,7 @@ impl TcpIo {
     /// already, then `chunk`, as much as rustls buffers at once. True once
     /// all of it (and everything rustls held) went to the socket.
     fn write_tls(&self, conn: &mut rustls::Connection, chunk: &mut BytesMut) -> io::Result<bool> {
-        let mut sock = self.stream.get_ref();
+        let mut sock = SendSocket(self.stream.get_ref());
         loop {
             while conn.wants_write() {
                 match conn.write_tls(&mut sock) {
@@ -179,18 +192,42 @@ impl TcpIo {
         let mut conn = tls.lock();
         let mut records = &chunk[..n];
         while !records.is_empty() {
-            // Takes what fits in rustls's buffer; decrypting makes room.
-            conn.read_tls(&mut records)?;
+            // rustls takes at most 4 KiB per `read_tls` (up to a whole
+            // record): feed it until it is full or the bytes run out, then
+            // decrypt everything whole at once, rather than trying to
+            // decrypt after every 4 KiB.
+            let mut fed = false;
+            while !records.is_empty() {
+                match conn.read_tls(&mut records) {
+                    Ok(0) => break, // close_notify seen: nothing more is read
+                    Ok(_) => fed = true,
+                    // Its buffer is full: decrypt what it holds first.
+                    Err(_) if fed => break,
+                    Err(e) => return Err(e),
+                }
+            }
+            if !fed {
+                break;
+            }
             if let Err(e) = conn.process_new_packets() {
                 // rustls queued an alert saying why: best effort.
                 let _ = conn.write_tls(&mut self.stream.get_ref());
                 return Err(io::Error::new(io::ErrorKind::InvalidData, e));
             }
-            match io::copy(&mut conn.reader(), &mut (&mut *buf).writer()) {
-                // The peer said close_notify: the stream ends here.
-                Ok(_) => return Ok(None),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
+            // The plaintext goes straight from rustls's buffer to ours.
+            let mut reader = conn.reader();
+            loop {
+                match reader.fill_buf() {
+                    // The peer said close_notify: the stream ends here.
+                    Ok([]) => return Ok(None),
+                    Ok(plain) => {
+                        let taken = plain.len();
+                        buf.extend_from_slice(plain);
+                        reader.consume(taken);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(e),
+                }
             }
         }
         Ok(Some(drained))
@@ -441,7 +478,7 @@ impl TcpIo {
             }
             drop(l);
             let limits = if up { limits } else { handshake_limits };
-            match decode_frame(buf, &limits) {
+            match decode_frame_with(buf, &limits, self.integrity) {
                 Ok(Some(frame)) => {
                     whole = true;
                     let l = link.upgrade()?;
@@ -477,7 +514,8 @@ impl LinkIo for TcpIo {
             let max_message = self.peer_max_message.load(Ordering::Relaxed);
             let id = self.next_message_id.fetch_add(1, Ordering::Relaxed);
             let before = st.buf.len();
-            encode_message(&frame, max, max_message, id, &mut st.buf).map_err(io_error)?;
+            encode_message_with(&frame, self.integrity, max, max_message, id, &mut st.buf)
+                .map_err(io_error)?;
             crate::metrics::bytes_sent(ChannelKind::Tcp, st.buf.len() - before);
             if st.writer != Writer::Idle {
                 return Ok(()); // the writer of the moment picks it up
@@ -560,6 +598,31 @@ impl LinkIo for TcpIo {
 
     fn describe(&self) -> String {
         self.desc.clone()
+    }
+}
+
+/// The socket as rustls writes to it: one record (a frame or a few, the
+/// common case) goes out with `send`, as plaintext TCP's frames do, and
+/// only several records at once with `writev`, which costs more per call
+/// (rustls always hands its records over as a vectored write).
+struct SendSocket<'a>(&'a std::net::TcpStream);
+
+impl Write for SendSocket<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (&mut &*self.0).write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        let mut full = bufs.iter().filter(|b| !b.is_empty());
+        match (full.next(), full.next()) {
+            (None, _) => Ok(0),
+            (Some(one), None) => (&mut &*self.0).write(one),
+            _ => (&mut &*self.0).write_vectored(bufs),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 

@@ -320,3 +320,98 @@ async fn a_tls_peer_of_a_plaintext_node_is_refused() {
     other.shutdown().await;
     plain.shutdown().await;
 }
+
+/// Forwards connections on its own port to `to`, and flips the last byte of
+/// the first chunk the client sends after `armed` is set.
+async fn tampering_proxy(
+    to: std::net::SocketAddr,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(to).await else {
+                return;
+            };
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            let armed = armed.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n) = cr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    if armed.swap(false, Ordering::SeqCst) {
+                        buf[n - 1] ^= 0x01;
+                    }
+                    if sw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n) = sr.read(&mut buf).await {
+                    if n == 0 || cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Frames inside TLS carry no CRC of their own: a byte altered on the way
+/// must still be caught (by the record's AEAD tag), end the link, and
+/// reach no handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_altered_on_the_way_ends_the_link_and_reaches_nobody() {
+    let ca = ClusterCa::generate(Validity::days(1)).unwrap();
+    let handled = Arc::new(AtomicUsize::new(0));
+    let node = start(
+        cfg(
+            1,
+            Some(tls_of(&ca, &ca.issue_node(1, Validity::days(1)).unwrap())),
+        ),
+        &handled,
+    )
+    .await;
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let proxy = tampering_proxy(node.listen_addr().unwrap(), armed.clone()).await;
+    let client = Endpoint::connect_client(
+        TransportConfig {
+            tls: Some(tls_of(&ca, &ca.issue_client(Validity::days(1)).unwrap())),
+            secret: b"cluster".to_vec(),
+            ..TransportConfig::client(Incarnation(7))
+        },
+        proxy,
+    )
+    .await
+    .expect("a TLS client connects through the proxy");
+    let r = client
+        .call(NodeId(1), request(1, "intact"), deadline())
+        .await
+        .expect("an intact call");
+    assert_eq!(r.payload.decode::<String>().unwrap(), "intact");
+    assert_eq!(handled.load(Ordering::SeqCst), 1);
+    armed.store(true, Ordering::SeqCst);
+    let r = client
+        .call(NodeId(1), request(1, "altered"), deadline())
+        .await;
+    assert!(
+        r.is_err(),
+        "a call whose bytes were altered went through: {r:?}"
+    );
+    assert!(!armed.load(Ordering::SeqCst), "the proxy altered nothing");
+    assert_eq!(
+        handled.load(Ordering::SeqCst),
+        1,
+        "an altered request reached the handler"
+    );
+    client.shutdown().await;
+    node.shutdown().await;
+}

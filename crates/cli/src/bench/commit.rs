@@ -47,7 +47,8 @@ pub struct CommitArgs {
     pub group_commit_delay: Option<Duration>,
     /// Rounds of the metrics comparison at the largest --clients: each
     /// round runs once with metrics off and once with the Prometheus
-    /// recorder on and `/metrics` scraped every second (0: skip it).
+    /// recorder on and `/metrics` scraped every second, off first in odd
+    /// rounds and on first in even ones (0: skip it).
     #[arg(long, default_value_t = 2)]
     pub metrics_rounds: usize,
 }
@@ -116,9 +117,9 @@ struct MetricsComparison {
     series: usize,
 }
 
-/// Runs `rounds` pairs of runs at `clients`, metrics off then on (the
-/// recorder is installed once; off, every update is a no-op), scraping
-/// every second while on.
+/// Runs `rounds` pairs of runs at `clients`, metrics off and on in
+/// alternating order (the recorder is installed once; off, every update is
+/// a no-op), scraping every second while on.
 async fn compare_metrics(
     cluster: &Cluster,
     clients: usize,
@@ -140,26 +141,40 @@ async fn compare_metrics(
         series: 0,
     };
     for round in 1..=rounds {
-        pb.set_message(format!(
-            "metrics comparison, round {round}/{rounds}: {clients} clients, metrics off"
-        ));
-        weft::metrics::set_recording(false);
-        let (tps, cpu) = run_measured(cluster, clients, dur).await;
-        cmp.off.push(tps);
-        cmp.cpu_off.extend(cpu);
-        pb.set_message(format!(
-            "metrics comparison, round {round}/{rounds}: {clients} clients, metrics on, scraped every second"
-        ));
-        weft::metrics::set_recording(true);
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let scraper = tokio::spawn(scrape_every_second(server.local_addr(), stop.clone()));
-        let (tps, cpu) = run_measured(cluster, clients, dur).await;
-        cmp.on.push(tps);
-        cmp.cpu_on.extend(cpu);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let (scrapes, bytes) = scraper.await.unwrap_or((0, 0));
-        cmp.scrapes += scrapes;
-        cmp.scrape_bytes += bytes;
+        // Odd rounds run metrics off first, even rounds on first (off, on,
+        // on, off, ...): a cluster whose throughput drifts during the run
+        // (its logs grow, the machine's load changes) then weighs on both
+        // sides alike instead of always on the second.
+        let order = if round % 2 == 1 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for on in order {
+            if !on {
+                pb.set_message(format!(
+                    "metrics comparison, round {round}/{rounds}: {clients} clients, metrics off"
+                ));
+                weft::metrics::set_recording(false);
+                let (tps, cpu) = run_measured(cluster, clients, dur).await;
+                cmp.off.push(tps);
+                cmp.cpu_off.extend(cpu);
+                continue;
+            }
+            pb.set_message(format!(
+                "metrics comparison, round {round}/{rounds}: {clients} clients, metrics on, scraped every second"
+            ));
+            weft::metrics::set_recording(true);
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let scraper = tokio::spawn(scrape_every_second(server.local_addr(), stop.clone()));
+            let (tps, cpu) = run_measured(cluster, clients, dur).await;
+            cmp.on.push(tps);
+            cmp.cpu_on.extend(cpu);
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let (scrapes, bytes) = scraper.await.unwrap_or((0, 0));
+            cmp.scrapes += scrapes;
+            cmp.scrape_bytes += bytes;
+        }
     }
     let body = weft::metrics::install()?.render();
     cmp.series = body
