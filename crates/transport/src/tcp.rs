@@ -25,8 +25,10 @@
 //! encrypts in the sender's context as plaintext TCP writes there. TLS
 //! control records rustls wants to send on its own (an alert, a key update
 //! answer) leave with the next write, at the latest the next heartbeat.
-//! Frames inside TLS carry no CRC32C ([`Integrity::Trusted`]): the AEAD tag
-//! of every record authenticates them already.
+//! Frames inside TLS still carry their CRC32C, so the bytes stay those of
+//! `docs/wire.md` for any client, but a TLS link does not check it
+//! ([`Integrity::Trusted`] on receipt): the AEAD tag of every record
+//! authenticates each byte already.
 
 use std::io::{self, BufRead, Read, Write};
 use std::net::SocketAddr;
@@ -88,11 +90,11 @@ pub(crate) struct TcpIo {
     desc: String,
     /// The TLS state of a TLS link: every byte in and out goes through it.
     tls: Option<Mutex<rustls::Connection>>,
-    /// Whether frames carry a CRC32C: on plain TCP they do; inside TLS
-    /// they do not, as every record's AEAD tag already authenticates each
-    /// byte (a damaged or altered record fails to decrypt and ends the
-    /// link), so a checksum could catch nothing and would cost a pass over
-    /// every frame on each side.
+    /// Whether received frames' CRC32C is checked: on plain TCP it is;
+    /// inside TLS it is not, as every record's AEAD tag already
+    /// authenticates each byte (a damaged or altered record fails to
+    /// decrypt and ends the link), so the check could catch nothing and
+    /// would cost a pass over every frame. Sent frames always carry it.
     integrity: Integrity,
 }
 
@@ -514,8 +516,16 @@ impl LinkIo for TcpIo {
             let max_message = self.peer_max_message.load(Ordering::Relaxed);
             let id = self.next_message_id.fetch_add(1, Ordering::Relaxed);
             let before = st.buf.len();
-            encode_message_with(&frame, self.integrity, max, max_message, id, &mut st.buf)
-                .map_err(io_error)?;
+            // Always checksummed: a peer written from docs/wire.md may check.
+            encode_message_with(
+                &frame,
+                Integrity::Checksummed,
+                max,
+                max_message,
+                id,
+                &mut st.buf,
+            )
+            .map_err(io_error)?;
             crate::metrics::bytes_sent(ChannelKind::Tcp, st.buf.len() - before);
             if st.writer != Writer::Idle {
                 return Ok(()); // the writer of the moment picks it up

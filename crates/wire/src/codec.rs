@@ -62,10 +62,13 @@ pub enum Integrity {
     /// for bytes that cross a medium that can damage them (TCP).
     #[default]
     Checksummed,
-    /// The field is zero and nobody checks it: for the shared-memory
-    /// channel, where both ends read the very bytes the writer wrote. There
-    /// a checksum guards against nothing (a hostile peer could compute it)
-    /// and costs a pass over every frame on each side.
+    /// The encoder writes zero in the field and the decoder does not check
+    /// it: for the shared-memory channel, where both ends read the very
+    /// bytes the writer wrote, and for frames received inside TLS, whose
+    /// records are authenticated (there the sender still writes the CRC,
+    /// for peers written from `docs/wire.md`). A checksum would guard
+    /// against nothing (a hostile peer could compute it) and cost a pass
+    /// over every frame.
     Trusted,
 }
 
