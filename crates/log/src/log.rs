@@ -187,8 +187,9 @@ impl Log {
 
     /// Announces that a force is imminent (e.g. a transaction entered its commit protocol).
     ///
-    /// While intents are outstanding, the flusher delays a requested sync (for at most
-    /// `group_commit_max_delay`) so that the intent holders' records join the same fdatasync.
+    /// While intents are outstanding, the flusher delays a requested sync (for at most two
+    /// measured syncs, and never past `group_commit_max_delay`) so that the intent holders'
+    /// records join the same fdatasync.
     /// Turn the intent into a force with [`ForceIntent::force`], or drop it to withdraw.
     /// Never fails; on a closed log the eventual force reports the error.
     pub fn intent(&self) -> ForceIntent {

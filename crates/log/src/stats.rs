@@ -28,10 +28,11 @@ pub struct LogStats {
     pub intents: u64,
     /// Times the flusher delayed a sync because intents were outstanding.
     pub intent_waits: u64,
-    /// Of those, how many ended because `group_commit_max_delay` ran out.
+    /// Of those, how many ended because the wait's bound (two measured syncs, at most
+    /// `group_commit_max_delay`) ran out.
     pub intent_wait_timeouts: u64,
-    /// Times the flusher delayed a sync because force requests were arriving
-    /// fast enough to fill a batch within `group_commit_max_delay`.
+    /// Times the flusher delayed a sync to wait for the committers it expects (those its
+    /// last sync released and those that arrived during it).
     pub batch_waits: u64,
     /// Syncs started because a `when_durable` waiter's interval ran out.
     pub lazy_syncs: u64,
