@@ -355,6 +355,34 @@ impl Volume {
         }
     }
 
+    /// The branch entry that moves the file or link `p` (as the transaction
+    /// sees it, `seen`) under a new name: a file of the transaction as it is,
+    /// a committed file as a patch over its committed bytes, a link as a new
+    /// link to the same target (never followed). Callers handle the other
+    /// kinds themselves; given one, this fails with Unsupported.
+    fn moved_node(&self, p: &VPath, seen: Seen) -> Result<Node, FsError> {
+        Ok(match seen {
+            Seen::File(n) => Node::File(n),
+            Seen::Committed(len) => Node::File(FileNode::Patched {
+                base: p.clone(),
+                base_len: len,
+                min_len: len,
+                len,
+                rid: None,
+                rlen: 0,
+                extents: BTreeMap::new(),
+            }),
+            Seen::NewLink(target) => Node::Link(target),
+            Seen::Symlink => {
+                let target = fs::read_link(self.disk(p)?).map_err(io_err(p))?;
+                Node::Link(target.to_string_lossy().to_string())
+            }
+            Seen::Absent | Seen::Dir | Seen::Other => {
+                return Err(FsError::Unsupported(format!("{p}: not a file or a link")))
+            }
+        })
+    }
+
     fn seen(&self, b: Option<&Branch>, p: &VPath) -> Result<Seen, FsError> {
         if let Some(b) = b {
             match b.entries.get(p) {
@@ -729,21 +757,8 @@ impl Volume {
                         "{f}: became a directory while being renamed"
                     )));
                 }
-                Seen::File(n) => Node::File(n),
-                Seen::Committed(len) => Node::File(FileNode::Patched {
-                    base: f.clone(),
-                    base_len: len,
-                    min_len: len,
-                    len,
-                    rid: None,
-                    rlen: 0,
-                    extents: BTreeMap::new(),
-                }),
-                Seen::NewLink(target) => Node::Link(target),
-                Seen::Symlink => {
-                    // Moved as a new link to the same target (never followed).
-                    let target = fs::read_link(v.disk(&f)?).map_err(io_err(&f))?;
-                    Node::Link(target.to_string_lossy().to_string())
+                seen @ (Seen::File(_) | Seen::Committed(_) | Seen::NewLink(_) | Seen::Symlink) => {
+                    v.moved_node(&f, seen)?
                 }
                 Seen::Other => {
                     return Err(FsError::Unsupported(format!("{f}: not a regular file")))
@@ -858,21 +873,10 @@ impl Volume {
                 v.note(b, &new)?;
                 let node = match v.seen(Some(b), old)? {
                     Seen::Dir => Node::Dir,
-                    Seen::File(n) => Node::File(n),
-                    Seen::Committed(len) => Node::File(FileNode::Patched {
-                        base: old.clone(),
-                        base_len: len,
-                        min_len: len,
-                        len,
-                        rid: None,
-                        rlen: 0,
-                        extents: BTreeMap::new(),
-                    }),
-                    Seen::NewLink(target) => Node::Link(target),
-                    Seen::Symlink => {
-                        let target = fs::read_link(v.disk(old)?).map_err(io_err(old))?;
-                        Node::Link(target.to_string_lossy().to_string())
-                    }
+                    seen @ (Seen::File(_)
+                    | Seen::Committed(_)
+                    | Seen::NewLink(_)
+                    | Seen::Symlink) => v.moved_node(old, seen)?,
                     Seen::Absent | Seen::Other => {
                         return Err(FsError::Unsupported(format!(
                             "{old}: a {kind:?} that cannot be moved"
