@@ -132,17 +132,11 @@ pub async fn load_store(
                 secs = started.elapsed().as_secs(),
                 "loaded through the engine's bulk import"
             );
-            let tx = rpc.begin();
-            rpc.tm().enlist(tx.tid(), participant.clone())?;
             let ops = vec![Op::Put(
                 Bytes::from_static(PLACEMENT_KEY),
                 placement.clone(),
             )];
-            if let Err(f) = kv.execute(&tx.context().xid(), ops, None).await {
-                let _ = tx.abort(&f.detail).await;
-                return Err(f);
-            }
-            tx.commit().await?;
+            put_in_one_transaction(rpc, kv, &participant, ops).await?;
             return Ok(LoadReply {
                 loaded: true,
                 tuples,
@@ -162,8 +156,6 @@ pub async fn load_store(
         // RPC layer polls a handler once in the link's reader, and a load
         // (hundreds of ms in a debug build) would keep that link unread.
         tokio::task::yield_now().await;
-        let tx = rpc.begin();
-        rpc.tm().enlist(tx.tid(), participant.clone())?;
         let mut ops: Vec<Op> = items
             .by_ref()
             .take(LOAD_BATCH as usize)
@@ -175,11 +167,7 @@ pub async fn load_store(
                 placement.clone(),
             ));
         }
-        if let Err(f) = kv.execute(&tx.context().xid(), ops, None).await {
-            let _ = tx.abort(&f.detail).await;
-            return Err(f);
-        }
-        tx.commit().await?;
+        put_in_one_transaction(rpc, kv, &participant, ops).await?;
         if (i + 1) % 100 == 0 {
             tracing::info!(
                 site = %me,
@@ -194,4 +182,22 @@ pub async fn load_store(
         loaded: tuples > 0,
         tuples,
     })
+}
+
+/// Runs `ops` on this site's store in one local transaction and commits it;
+/// an execution failure aborts it.
+async fn put_in_one_transaction(
+    rpc: &Rpc,
+    kv: &Kv,
+    participant: &Arc<dyn Resource>,
+    ops: Vec<Op>,
+) -> Result<(), Failure> {
+    let tx = rpc.begin();
+    rpc.tm().enlist(tx.tid(), participant.clone())?;
+    if let Err(f) = kv.execute(&tx.context().xid(), ops, None).await {
+        let _ = tx.abort(&f.detail).await;
+        return Err(f);
+    }
+    tx.commit().await?;
+    Ok(())
 }
