@@ -3,7 +3,8 @@
 //! beside Raid's own (seed 000, section 2.2: 267 ms of system time per
 //! transaction, over 92% of it communication).
 //!
-//! Owns reading and grouping `/proc/<pid>/task/<tid>/stat`. Must never
+//! Owns reading `/proc/<pid>/stat` and reading and grouping
+//! `/proc/<pid>/task/<tid>/stat`. Must never
 //! fail a run: a process or thread that is gone, or a `/proc` that cannot be
 //! read, yields what could be read.
 
@@ -117,6 +118,18 @@ pub fn sample(pid: &str) -> CpuSample {
     out
 }
 
+/// The whole CPU time of process `pid` (`"self"` for this one), threads that
+/// ended included, from `/proc/<pid>/stat`; `None` where it cannot be read.
+pub fn process(pid: &str) -> Option<Cpu> {
+    let stat = std::fs::read_to_string(Path::new("/proc").join(pid).join("stat")).ok()?;
+    let (_, user, system) = parse_stat(&stat)?;
+    let ticks = clock_ticks();
+    Some(Cpu {
+        user_s: user as f64 / ticks,
+        system_s: system as f64 / ticks,
+    })
+}
+
 /// `(comm, utime, stime)` of a `/proc/.../stat` line: the name sits in
 /// parentheses (and may hold spaces or parentheses itself), utime and stime
 /// are the 12th and 13th fields after it.
@@ -180,6 +193,8 @@ mod tests {
                 assert!(spent.total().total_s() >= transport.total_s());
             })
             .unwrap();
+        let whole = process("self").expect("this process's stat");
+        assert!(whole.total_s() >= before.total().total_s());
         assert_eq!(thread_group("tokio-runtime-w"), "runtime workers");
         assert_eq!(thread_group("tokio-rt-worker"), "runtime workers");
         assert_eq!(thread_group("weft-log-flushe"), "log flusher");

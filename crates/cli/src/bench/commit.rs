@@ -83,16 +83,10 @@ async fn scrape_every_second(
     (scrapes, bytes)
 }
 
-/// CPU time this process has used (user + system), from /proc/self/stat
-/// (clock ticks of 10 ms); `None` where it cannot be read.
+/// CPU time this process has used (user + system), from /proc/self/stat;
+/// `None` where it cannot be read.
 fn process_cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the command name (which may hold spaces) start at state.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) / 100.0)
+    crate::cpu::process("self").map(|c| c.total_s())
 }
 
 /// Runs the clients and returns (commits/s, CPU µs per commit).
