@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use weft_transport::shm::bench::{self, PeerCommand, RoundTrips, PEER_ARG};
-use weft_transport::shm::BusyPoll;
+use weft_transport::BusyPoll;
 use weft_transport::*;
 use weft_wire::*;
 

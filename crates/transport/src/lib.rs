@@ -23,6 +23,7 @@ mod endpoint;
 mod handshake;
 mod inproc;
 mod link;
+mod poll;
 mod tcp;
 
 pub use channel::{ChannelKind, IoError, LinkIo};
@@ -35,5 +36,6 @@ pub use fault::{FaultPlan, FaultScope, LinkFaults, Verdict};
 pub use inproc::InprocHub;
 pub use link::PeerRef;
 pub use naming::{NamingMsg, NodeInfo};
-pub use shm::{BusyPoll, ShmConfig, SpinPolicy};
+pub use poll::BusyPoll;
+pub use shm::{ShmConfig, SpinPolicy};
 pub use tls::{TlsConfig, TlsError};

@@ -3,8 +3,12 @@
 //!
 //! Baseline: two threads exchanging `--payload` bytes over a loopback TCP
 //! connection with blocking std sockets and TCP_NODELAY. Then weft: an echo
-//! call between two nodes of this process over TCP (no in-process shortcut),
-//! the same inside a transaction, and between two in-process nodes. Then the
+//! call between two nodes of this process over TCP (no in-process shortcut)
+//! from a caller that busy-polls while it waits ([`BusyPoll`], issue 22: it
+//! reads both nodes' sockets itself, so no round trip waits for a runtime
+//! worker's wake-up), the same inside a transaction, the same from an
+//! ordinary async caller (each message then wakes a runtime worker), and
+//! between two in-process nodes. Then the
 //! same-host channel (see [`super::rpc_shm`]): a bare shared-memory spin
 //! ping-pong between two processes (the floor), weft RPC to a second `weft
 //! node` process over shm, its throughput with 64 calls in flight and the
@@ -22,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use weft::{Address, ChannelSet, InprocHub, Node, Payload, Seed};
+use weft_transport::BusyPoll;
 
 use super::{check, progress, r2, write_json, Latency};
 
@@ -97,7 +102,43 @@ fn raw_tcp(calls: usize, payload: usize) -> anyhow::Result<Measured> {
     Ok(Measured { lat, per_s })
 }
 
+/// How a measured caller waits for its response.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Caller {
+    /// An async task on the runtime: it sleeps until the reader task that
+    /// took the response wakes it.
+    Task,
+    /// A thread of its own that busy-polls the process's channels while it
+    /// waits ([`BusyPoll`]).
+    BusyPoll,
+}
+
+/// `calls` echo calls of `payload` bytes to `to`, one at a time, after a
+/// warm-up of a tenth, inside one transaction when `transactional`, from a
+/// caller of the given kind.
+///
+/// Fails with the first call's failure.
 async fn weft_calls(
+    node: &Node,
+    to: &Address,
+    calls: usize,
+    payload: usize,
+    transactional: bool,
+    caller: Caller,
+) -> anyhow::Result<Measured> {
+    match caller {
+        Caller::Task => call_loop(node, to, calls, payload, transactional).await,
+        Caller::BusyPoll => {
+            let (node, to) = (node.clone(), to.clone());
+            tokio::task::spawn_blocking(move || {
+                BusyPoll::new().block_on(call_loop(&node, &to, calls, payload, transactional))
+            })
+            .await?
+        }
+    }
+}
+
+async fn call_loop(
     node: &Node,
     to: &Address,
     calls: usize,
@@ -163,9 +204,11 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         .start()
         .await?;
     let echo_b: Address = "echo@2".parse()?;
-    let rpc_tcp = weft_calls(&a, &echo_b, calls, args.payload, false).await?;
+    let rpc_tcp = weft_calls(&a, &echo_b, calls, args.payload, false, Caller::BusyPoll).await?;
     pb.set_message("weft RPC over TCP, in a transaction");
-    let rpc_tcp_tx = weft_calls(&a, &echo_b, calls, args.payload, true).await?;
+    let rpc_tcp_tx = weft_calls(&a, &echo_b, calls, args.payload, true, Caller::BusyPoll).await?;
+    pb.set_message("weft RPC over TCP, from an async caller");
+    let rpc_tcp_async = weft_calls(&a, &echo_b, calls, args.payload, false, Caller::Task).await?;
     pb.finish_and_clear();
     let tls = if args.no_tls {
         None
@@ -191,7 +234,7 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         .checkpoint_every(None)
         .start()
         .await?;
-    let inproc = weft_calls(&c, &echo_b, calls, args.payload, false).await?;
+    let inproc = weft_calls(&c, &echo_b, calls, args.payload, false, Caller::Task).await?;
     pb.finish_and_clear();
     d.shutdown().await;
     c.shutdown().await;
@@ -219,6 +262,7 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         ("tcp raw (baseline)", &raw),
         ("weft rpc tcp", &rpc_tcp),
         ("weft rpc tcp + tx context", &rpc_tcp_tx),
+        ("weft rpc tcp, async caller", &rpc_tcp_async),
         ("weft rpc inproc", &inproc),
     ] {
         row(name, &m.lat, m.per_s, base);
@@ -310,6 +354,10 @@ pub async fn run(args: RpcArgs) -> anyhow::Result<()> {
         "rpc_tcp_p50_us": rpc_tcp.lat.p50(),
         "rpc_tcp_p99_us": rpc_tcp.lat.p99(),
         "rpc_tcp_calls_per_s": r2(rpc_tcp.per_s),
+        "rpc_tcp_caller": "busy-poll",
+        "rpc_tcp_async_p50_us": rpc_tcp_async.lat.p50(),
+        "rpc_tcp_async_p99_us": rpc_tcp_async.lat.p99(),
+        "rpc_tcp_async_calls_per_s": r2(rpc_tcp_async.per_s),
         "rpc_tcp_tx_p50_us": rpc_tcp_tx.lat.p50(),
         "rpc_tcp_tx_p99_us": rpc_tcp_tx.lat.p99(),
         "rpc_tcp_tx_calls_per_s": r2(rpc_tcp_tx.per_s),
@@ -453,10 +501,10 @@ async fn tls_phase(
     let per_round = (calls / TLS_ROUNDS).max(100);
     let (mut plain_s, mut tls_s) = (0.0, 0.0);
     for _ in 0..TLS_ROUNDS {
-        let m = weft_calls(plain, &echo_b, per_round, payload, false).await?;
+        let m = weft_calls(plain, &echo_b, per_round, payload, false, Caller::Task).await?;
         f.plain.merge(&m.lat);
         plain_s += per_round as f64 / m.per_s;
-        let m = weft_calls(&a, &echo_b, per_round, payload, false).await?;
+        let m = weft_calls(&a, &echo_b, per_round, payload, false, Caller::Task).await?;
         f.tls.merge(&m.lat);
         tls_s += per_round as f64 / m.per_s;
     }

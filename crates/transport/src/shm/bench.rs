@@ -19,7 +19,7 @@
 //!
 //! Then [`raw_spin_pingpong`]`(&`[`PeerCommand::current_exe`]`()?, rounds)` gives
 //! the physical floor, [`cpu_time`] / [`cpu_percent`] the idle cost, and
-//! [`BusyPoll`](super::BusyPoll) drives calls without kernel wake-ups.
+//! [`BusyPoll`](crate::BusyPoll) drives calls without kernel wake-ups.
 //!
 //! ## Helper modes (`peer_main` arguments)
 //!

@@ -52,7 +52,7 @@ use super::{ShmConfig, SpinPolicy};
 use crate::channel::{io_error, ChannelKind, IoError, LinkIo};
 use crate::link::Link;
 
-/// How long a reader thread sleeps between checks while a [`super::BusyPoll`]
+/// How long a reader thread sleeps between checks while a [`crate::BusyPoll`]
 /// drains the rings in its place.
 const STAND_DOWN_TICK: Duration = Duration::from_millis(2);
 
@@ -219,7 +219,7 @@ impl Channel {
 
     /// Starts the reader thread (it enters the current tokio runtime, if
     /// any, so that handlers it runs may spawn tasks) and makes the channel
-    /// visible to [`super::BusyPoll`].
+    /// visible to [`crate::BusyPoll`].
     ///
     /// Fails when the thread cannot be spawned.
     pub(crate) fn start(self: &Arc<Self>, name: String) -> std::io::Result<()> {

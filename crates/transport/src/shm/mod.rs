@@ -14,7 +14,8 @@
 //!   park, adaptive), orderly close and death.
 //! - `setup`: the rendezvous socket, the segment hand-over, resolution and
 //!   the upgrade of same-host TCP links.
-//! - `poll`: [`BusyPoll`], for a thread that waits by draining the rings.
+//! - `poll`: the rings a [`crate::BusyPoll`] drains, and the count of active
+//!   pollers the reader threads stand aside for.
 //! - [`bench`](mod@bench): the helper process and the measuring tools of `weft bench`.
 //!
 //! Owns everything shared-memory. Must never trust the segment's contents
@@ -26,7 +27,7 @@ mod channel;
 #[doc(hidden)]
 pub mod fuzzing;
 mod mem;
-mod poll;
+pub(crate) mod poll;
 mod ring;
 mod setup;
 mod wait;
@@ -34,7 +35,6 @@ mod wait;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-pub use poll::BusyPoll;
 pub(crate) use setup::{consider_upgrade, listen, resolve};
 
 /// This process's real user id. Never fails.

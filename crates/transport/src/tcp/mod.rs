@@ -30,6 +30,8 @@
 //! ([`Integrity::Trusted`] on receipt): the AEAD tag of every record
 //! authenticates each byte already.
 
+pub(crate) mod poll;
+
 use std::io::{self, BufRead, Read, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -38,7 +40,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use parking_lot::Mutex;
-use tokio::io::unix::AsyncFd;
+use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use weft_wire::{
@@ -75,10 +77,48 @@ struct WriteState {
 /// Bytes read from the socket in one `recv`.
 const READ_CHUNK: usize = 64 * 1024;
 
+/// The read side of a link: the bytes read and not yet framed. Held by
+/// whoever reads the socket at the moment, the link's reader task or a
+/// [`crate::BusyPoll`]: a read and the delivery of the frames it completes
+/// happen under it, so frames are delivered in the order they came.
+struct ReadState {
+    buf: BytesMut,
+    chunk: Box<[u8]>,
+    /// When the frame at the front of `buf` began to arrive, if one is
+    /// incomplete: a peer that starts a frame and stops (slowloris) must
+    /// not hold the buffer forever, so a frame gets as long as a
+    /// fragmented message does (before the handshake, its bound applies).
+    partial_since: Option<tokio::time::Instant>,
+}
+
+/// What one pass over the socket (see [`TcpIo::pass`]) came to.
+enum Pass {
+    /// Nothing to read: the socket is drained.
+    Empty,
+    /// Read and delivered what came; `drained` when the read was short.
+    Read { drained: bool },
+    /// The link's inbox is full: read no more until it has room.
+    InboxFull,
+    /// The link is over (closed, failed or refused): stop reading.
+    Over,
+}
+
+/// What [`TcpIo::take_frames`] came to when it did not end the link.
+enum Taken {
+    /// Every whole frame was delivered.
+    Delivered,
+    /// It stopped at a full inbox, frames may be left whole in the buffer.
+    InboxFull,
+}
+
 /// One end of a TCP link.
 pub(crate) struct TcpIo {
     stream: AsyncFd<std::net::TcpStream>,
     write: Mutex<WriteState>,
+    read: Mutex<ReadState>,
+    /// Wakes the reader task when a busy poller stopped at a full inbox or
+    /// ended the link.
+    resume: Notify,
     flush: Notify,
     peer_max_frame: AtomicUsize,
     peer_max_message: AtomicUsize,
@@ -119,6 +159,12 @@ impl TcpIo {
                 buf: BytesMut::with_capacity(8192),
                 writer: Writer::Idle,
             }),
+            read: Mutex::new(ReadState {
+                buf: BytesMut::new(),
+                chunk: vec![0u8; READ_CHUNK].into_boxed_slice(),
+                partial_since: None,
+            }),
+            resume: Notify::new(),
             flush: Notify::new(),
             peer_max_frame: AtomicUsize::new(limits.max_frame),
             peer_max_message: AtomicUsize::new(limits.max_message),
@@ -350,34 +396,83 @@ impl TcpIo {
         }
     }
 
-    /// Reads frames until the link closes. `buf` holds what was read
+    /// Reads frames until the link closes. `preread` holds what was read
     /// already (plaintext a TLS handshake decrypted along with its end).
-    async fn reader_task(self: Arc<Self>, link: Weak<Link>, limits: Limits, mut buf: BytesMut) {
-        buf.reserve(READ_CHUNK);
-        let mut chunk = vec![0u8; READ_CHUNK];
-        // When the frame at the front of `buf` began to arrive, if one is
-        // incomplete: a peer that starts a frame and stops (slowloris) must
-        // not hold the buffer forever, so a frame gets as long as a
-        // fragmented message does (before the handshake, its bound applies).
-        let mut partial_since: Option<tokio::time::Instant> = None;
-        if !buf.is_empty() {
-            if self.take_frames(&mut buf, &link, limits).await.is_none() {
-                return;
-            }
-            if !buf.is_empty() {
-                partial_since = Some(tokio::time::Instant::now());
-            }
+    /// While the link is up, busy pollers may read and deliver in its place
+    /// ([`poll`]); readiness is cleared only on this task's own short or
+    /// empty read, so no arrival is missed whoever reads it.
+    async fn reader_task(self: Arc<Self>, link: Weak<Link>, limits: Limits, preread: BytesMut) {
+        // Frames read along with the TLS handshake are delivered before
+        // any wait.
+        let mut pass_first = !preread.is_empty();
+        {
+            let mut rs = self.read.lock();
+            rs.buf = preread;
+            rs.buf.reserve(READ_CHUNK);
         }
+        let _pollable = poll::register(&self, &link, limits);
         loop {
             if self.closed.load(Ordering::Acquire) {
                 return;
             }
-            let readable = self.stream.readable();
-            let ready = match partial_since {
+            let mut ready = if std::mem::take(&mut pass_first) {
+                None
+            } else {
+                match self.ready(&link, limits).await {
+                    Some(ready) => ready,
+                    None => return,
+                }
+            };
+            let pass = self.pass(&mut self.read.lock(), &link, limits);
+            match pass {
+                // A short read drained the socket: wait for the next
+                // readiness event instead of trying again.
+                Pass::Empty | Pass::Read { drained: true } => {
+                    if let Some(ready) = ready.as_mut() {
+                        ready.clear_ready();
+                    }
+                }
+                Pass::Read { drained: false } => {}
+                Pass::InboxFull => {
+                    // Stop reading until the node catches up: the peer's
+                    // sends back up to it. The readiness is left set, so
+                    // the next pass delivers what waits in the buffer first.
+                    match link.upgrade() {
+                        Some(l) => l.inbox_room().await,
+                        None => return,
+                    }
+                }
+                Pass::Over => return,
+            }
+        }
+    }
+
+    /// Waits until the socket is readable (`Some(Some(guard))`), or a busy
+    /// poller hands the link back to this task (`Some(None)`: frames wait in
+    /// the buffer for room, or the link is over), or the reader must stop
+    /// (`None`: a frame begun too long ago is still incomplete, or the wait
+    /// failed; the link is closed with the reason).
+    async fn ready(
+        &self,
+        link: &Weak<Link>,
+        limits: Limits,
+    ) -> Option<Option<AsyncFdReadyGuard<'_, std::net::TcpStream>>> {
+        loop {
+            let since = self.read.lock().partial_since;
+            let readable = async {
+                tokio::select! {
+                    r = self.stream.readable() => Some(r),
+                    _ = self.resume.notified() => None,
+                }
+            };
+            let ready = match since {
+                None => readable.await,
                 Some(since) => {
                     let until = since + limits.reassembly_timeout;
                     match tokio::time::timeout_at(until, readable).await {
                         Ok(r) => r,
+                        // A busy poller may have read on meanwhile.
+                        Err(_) if self.read.lock().partial_since != Some(since) => continue,
                         Err(_) => {
                             if let Some(l) = link.upgrade() {
                                 l.refuse(
@@ -388,69 +483,79 @@ impl TcpIo {
                                     ),
                                 );
                             }
-                            return;
+                            return None;
                         }
                     }
                 }
-                None => readable.await,
             };
-            let mut ready = match ready {
-                Ok(r) => r,
-                Err(e) => {
-                    self.fail(&link, &format!("read failed: {e}"));
-                    return;
+            return match ready {
+                Some(Ok(guard)) => Some(Some(guard)),
+                Some(Err(e)) => {
+                    self.fail(link, &format!("read failed: {e}"));
+                    None
                 }
+                None => Some(None),
             };
-            let before = buf.len();
-            match self.read_some(&mut chunk, &mut buf) {
-                Ok(None) => {
-                    self.fail(&link, "connection closed by peer");
-                    return;
+        }
+    }
+
+    /// One pass over the socket: delivers the frames a full inbox left
+    /// whole in the buffer, reads once (one `recv`) and delivers every frame
+    /// that completed. A read that fails, or the end of the stream, ends the
+    /// link here (`Pass::Over`).
+    fn pass(&self, rs: &mut ReadState, link: &Weak<Link>, limits: Limits) -> Pass {
+        let ReadState {
+            buf,
+            chunk,
+            partial_since,
+        } = rs;
+        match self.take_frames(buf, partial_since, link, limits) {
+            None => return Pass::Over,
+            Some(Taken::InboxFull) => return Pass::InboxFull,
+            Some(Taken::Delivered) => {}
+        }
+        let before = buf.len();
+        match self.read_some(chunk, buf) {
+            Ok(None) => {
+                self.fail(link, "connection closed by peer");
+                Pass::Over
+            }
+            Ok(Some(drained)) => {
+                crate::metrics::bytes_received(ChannelKind::Tcp, buf.len() - before);
+                match self.take_frames(buf, partial_since, link, limits) {
+                    None => Pass::Over,
+                    Some(Taken::InboxFull) => Pass::InboxFull,
+                    Some(Taken::Delivered) => Pass::Read { drained },
                 }
-                Ok(Some(drained)) => {
-                    if drained {
-                        // A short read drained the socket: wait for the
-                        // next readiness event instead of trying again.
-                        ready.clear_ready();
-                    }
-                    drop(ready);
-                    crate::metrics::bytes_received(ChannelKind::Tcp, buf.len() - before);
-                    let Some(whole) = self.take_frames(&mut buf, &link, limits).await else {
-                        return;
-                    };
-                    partial_since = match (buf.is_empty(), whole, partial_since) {
-                        (true, _, _) => None,
-                        (false, false, Some(since)) => Some(since),
-                        (false, _, _) => Some(tokio::time::Instant::now()),
-                    };
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Pass::Empty,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Pass::Read { drained: false },
+            Err(e) if self.tls.is_some() && e.kind() == io::ErrorKind::InvalidData => {
+                let (status, reason) = tls::stream_failure(&e);
+                if let Some(l) = link.upgrade() {
+                    tracing::warn!(link = %self.desc, "{reason}");
+                    l.close(status, &reason);
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => ready.clear_ready(),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if self.tls.is_some() && e.kind() == io::ErrorKind::InvalidData => {
-                    let (status, reason) = tls::stream_failure(&e);
-                    if let Some(l) = link.upgrade() {
-                        tracing::warn!(link = %self.desc, "{reason}");
-                        l.close(status, &reason);
-                    }
-                    return;
-                }
-                Err(e) => {
-                    self.fail(&link, &format!("read failed: {e}"));
-                    return;
-                }
+                Pass::Over
+            }
+            Err(e) => {
+                self.fail(link, &format!("read failed: {e}"));
+                Pass::Over
             }
         }
     }
 
-    /// Hands every whole frame at the front of `buf` to the link. Returns
-    /// whether one was whole, or `None` when the reader must stop (link
-    /// gone or closed, or the stream refused).
-    async fn take_frames(
+    /// Hands every whole frame at the front of `buf` to the link, stopping
+    /// early when the link's inbox is full, and notes when an incomplete
+    /// frame left at the front began to arrive. Returns `None` when the
+    /// reader must stop (link gone or closed, or the stream refused).
+    fn take_frames(
         &self,
         buf: &mut BytesMut,
+        partial_since: &mut Option<tokio::time::Instant>,
         link: &Weak<Link>,
         limits: Limits,
-    ) -> Option<bool> {
+    ) -> Option<Taken> {
         let handshake_limits = limits.handshake();
         let mut whole = false;
         loop {
@@ -478,18 +583,15 @@ impl TcpIo {
                     return None;
                 }
             }
+            if l.inbox_full() {
+                return Some(Taken::InboxFull);
+            }
             drop(l);
             let limits = if up { limits } else { handshake_limits };
             match decode_frame_with(buf, &limits, self.integrity) {
                 Ok(Some(frame)) => {
                     whole = true;
-                    let l = link.upgrade()?;
-                    l.on_frame(frame);
-                    if l.inbox_full() {
-                        // Stop reading until the node catches
-                        // up: the peer's sends back up to it.
-                        l.inbox_room().await;
-                    }
+                    link.upgrade()?.on_frame(frame);
                 }
                 Ok(None) => break,
                 Err(e) => match link.upgrade() {
@@ -498,7 +600,12 @@ impl TcpIo {
                 },
             }
         }
-        Some(whole)
+        *partial_since = match (buf.is_empty(), whole, *partial_since) {
+            (true, _, _) => None,
+            (false, false, Some(since)) => Some(since),
+            (false, _, _) => Some(tokio::time::Instant::now()),
+        };
+        Some(Taken::Delivered)
     }
 }
 
