@@ -3,31 +3,16 @@
 //! and nothing is lost, reordered or stalled whoever reads. In its own test
 //! binary: a busy poller services every channel of its process.
 
+mod shm_common;
+
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use shm_common::{echo_many, echo_request, Service};
 use tokio::sync::Notify;
 use weft_transport::*;
 use weft_wire::*;
-
-/// Answers `echo` with the payload.
-struct Echo;
-
-impl RequestHandler for Echo {
-    fn handle(&self, _from: PeerRef, req: Request, responder: Responder) {
-        match req.service.as_str() {
-            "echo" => responder.respond(Response {
-                call_id: 0,
-                status: Status::Ok,
-                detail: String::new(),
-                tx: None,
-                payload: req.payload,
-            }),
-            other => responder.fail(Failure::new(Status::NoSuchService, other.to_string())),
-        }
-    }
-}
 
 fn tcp_cfg(node: u32, max_inbox_per_link: usize) -> TransportConfig {
     TransportConfig {
@@ -47,16 +32,16 @@ fn tcp_cfg(node: u32, max_inbox_per_link: usize) -> TransportConfig {
     }
 }
 
-/// Two endpoints joined over TCP; node 1 serves `echo`.
+/// Two endpoints joined over TCP, both serving `echo`.
 async fn pair(max_inbox_per_link: usize) -> (Endpoint, Endpoint) {
     let a = Endpoint::start(tcp_cfg(1, max_inbox_per_link))
         .await
         .unwrap();
-    a.set_request_handler(Arc::new(Echo));
+    a.set_request_handler(Arc::new(Service));
     let b = Endpoint::start(tcp_cfg(2, max_inbox_per_link))
         .await
         .unwrap();
-    b.set_request_handler(Arc::new(Echo));
+    b.set_request_handler(Arc::new(Service));
     b.join(Seed::Tcp(a.listen_addr().unwrap())).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !(a.view().nodes.len() == 2 && b.view().nodes.len() == 2) {
@@ -64,19 +49,6 @@ async fn pair(max_inbox_per_link: usize) -> (Endpoint, Endpoint) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     (a, b)
-}
-
-fn echo_request(node: u32, body: Vec<u8>) -> Request {
-    Request {
-        call_id: 0,
-        service: ServiceName::new("echo").unwrap(),
-        instance: 0,
-        node: NodeId(node),
-        budget_us: None,
-        tx: None,
-        flags: 0,
-        payload: Payload::bytes(body),
-    }
 }
 
 /// `n` echo calls from `from` to `to`, one at a time, each with its own
@@ -112,31 +84,18 @@ async fn a_busy_poller_and_the_reader_tasks_share_the_sockets() {
             let mut bp = BusyPoll::new();
             let one_by_one = bp.block_on(echo_in_turn(&b, 1, 1500));
             // Many in flight at once: frames pile up in one read.
-            let many = bp.block_on(async {
-                let calls = (0..200u32).map(|i| echo_in_turn_one(&b, i));
-                futures::future::join_all(calls).await.len() as u32
-            });
+            let many = bp.block_on(echo_many(&b, 1, 2000, 100, 64));
             (one_by_one, many)
         })
     };
     let tasks = echo_in_turn(&a, 2, 1500).await;
-    assert_eq!(polled.await.unwrap(), (1500, 200));
+    assert_eq!(polled.await.unwrap(), (1500, 2000));
     assert_eq!(tasks, 1500);
     assert_eq!((a.pending_calls(), b.pending_calls()), (0, 0));
     // No busy poller any more: the reader tasks serve alone.
     assert_eq!(echo_in_turn(&b, 1, 300).await, 300);
     b.shutdown().await;
     a.shutdown().await;
-}
-
-async fn echo_in_turn_one(from: &Endpoint, i: u32) {
-    let body = i.to_le_bytes().repeat(16);
-    let deadline = Some(Instant::now() + Duration::from_secs(30));
-    let r = from
-        .call(NodeId(1), echo_request(1, body.clone()), deadline)
-        .await
-        .unwrap_or_else(|f| panic!("call {i}: {f}"));
-    assert_eq!(r.payload.into_bytes().unwrap()[..], body[..]);
 }
 
 /// Takes protocol messages on its port in order; the first one waits at a
