@@ -34,8 +34,9 @@
 //!   of the last delta merged into it (`merged`).
 //!
 //! A *merge* ([`DiskStore::begin_merge`], [`MergeJob::write`],
-//! [`DiskStore::end_merge`]) applies the deltas, oldest first, to the merged
-//! table in one durable commit of the main file that also raises `merged`.
+//! [`DiskStore::end_merge`]) applies the deltas to the merged table (in one
+//! sorted pass over all of them, each key once with its newest value) in one
+//! durable commit of the main file that also raises `merged`.
 //! It runs in the background, on the other file, so it never holds up a
 //! checkpoint (redb has one writer per file). A merge changes no content:
 //! deltas numbered up to `merged` are skipped by reads and dropped by the
@@ -998,10 +999,16 @@ impl MergeJob {
         Ok(n)
     }
 
-    /// Applies the deltas, oldest first, to the merged table and records
-    /// the last one merged, in one durable commit of the main file. Changes
-    /// no content of the store: what it writes was already read from the
-    /// deltas.
+    /// Applies the deltas to the merged table and records the last one
+    /// merged, in one durable commit of the main file. Changes no content
+    /// of the store: what it writes was already read from the deltas.
+    ///
+    /// The deltas are walked together in key order, each key once with its
+    /// newest value (the same result as applying them oldest first), so the
+    /// merged table is visited in one sorted pass: each leaf is dirtied
+    /// once, and a dirty leaf the engine's write buffer evicted to the file
+    /// is never read back to take another delta's keys (applying 8 deltas
+    /// one after the other walked a ten-million-key table 8 times).
     ///
     /// Fails with [`DiskError`]; the main file then keeps its previous
     /// state.
@@ -1012,20 +1019,22 @@ impl MergeJob {
         tx.set_quick_repair(true);
         {
             let mut data = tx.open_table(DATA).map_err(|e| engine(e.into()))?;
-            for (_, t) in &self.deltas {
-                for r in walk(t, &Bytes::new(), true, &self.delta_path)? {
-                    let (k, v) = r?;
-                    match v {
-                        Some(v) => {
-                            data.insert(k.as_ref(), v.as_ref())
-                                .map_err(|e| engine(e.into()))?;
-                        }
-                        None => {
-                            data.remove(k.as_ref()).map_err(|e| engine(e.into()))?;
-                        }
+            let mut layers: Vec<Box<dyn Iterator<Item = Entry> + '_>> = Vec::new();
+            for (_, t) in self.deltas.iter().rev() {
+                layers.push(walk(t, &Bytes::new(), true, &self.delta_path)?);
+            }
+            merge_walk(layers, &Bytes::new(), |k, v| {
+                match v {
+                    Some(v) => {
+                        data.insert(k.as_ref(), v.as_ref())
+                            .map_err(|e| engine(e.into()))?;
+                    }
+                    None => {
+                        data.remove(k.as_ref()).map_err(|e| engine(e.into()))?;
                     }
                 }
-            }
+                Ok(true)
+            })?;
             let mut meta = tx.open_table(META).map_err(|e| engine(e.into()))?;
             meta.insert(META_MERGED, self.upto.to_le_bytes().as_slice())
                 .map_err(|e| engine(e.into()))?;

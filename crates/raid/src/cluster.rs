@@ -56,7 +56,10 @@ pub struct RaidCluster {
     pub sites: Vec<RaidSite>,
     hub: Arc<InprocHub>,
     opts: ClusterOptions,
-    _dir: tempfile::TempDir,
+    dir: std::path::PathBuf,
+    /// The temporary directory removed with the cluster (`None`: a kept
+    /// directory, see [`RaidCluster::start_in`]).
+    _temp: Option<tempfile::TempDir>,
 }
 
 impl RaidCluster {
@@ -74,13 +77,44 @@ impl RaidCluster {
                     format!("temporary directory: {e}"),
                 )
             })?;
+        let path = dir.path().to_path_buf();
+        Self::start_at(n, path, Some(dir), opts).await
+    }
+
+    /// Starts `n` sites with data directories `site<i>` under `dir`
+    /// (created if missing), kept when the cluster stops: a cluster started
+    /// again in the same directory finds its copies loaded (a benchmark at
+    /// a large scale loads once for several runs).
+    ///
+    /// Fails when the directory cannot be created or a node does not start.
+    pub async fn start_in(
+        n: u32,
+        dir: &Path,
+        opts: ClusterOptions,
+    ) -> Result<RaidCluster, Failure> {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            Failure::new(
+                weft_wire::Status::Internal,
+                format!("data directory {}: {e}", dir.display()),
+            )
+        })?;
+        Self::start_at(n, dir.to_path_buf(), None, opts).await
+    }
+
+    async fn start_at(
+        n: u32,
+        dir: std::path::PathBuf,
+        temp: Option<tempfile::TempDir>,
+        opts: ClusterOptions,
+    ) -> Result<RaidCluster, Failure> {
         let hub = InprocHub::new();
         let mut c = RaidCluster {
             nodes: Vec::new(),
             sites: Vec::new(),
             hub,
             opts,
-            _dir: dir,
+            dir,
+            _temp: temp,
         };
         for id in 1..=n {
             let (node, site) = c.start_site(id).await?;
@@ -100,7 +134,7 @@ impl RaidCluster {
         let site = RaidSite::new(self.opts.site.clone());
         let mut b = Node::builder(id)
             .hub(self.hub.clone())
-            .data_dir(self._dir.path().join(format!("site{id}")))
+            .data_dir(self.dir.join(format!("site{id}")))
             .failure_detector(self.opts.detector.0, self.opts.detector.1);
         if raid {
             b = b.plugin(Arc::new(site.clone()));

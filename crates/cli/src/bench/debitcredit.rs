@@ -64,6 +64,12 @@ pub struct DebitCreditArgs {
     /// Where data directories go (temporary, removed).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Keep each configuration's data in `<DIR>/<sites>s-<engine>-scale<S>`
+    /// instead of a temporary directory, and reuse it: a copy found loaded
+    /// is not loaded again (a load at scale 100 takes minutes). Later runs
+    /// start from the balances and history the earlier ones left.
+    #[arg(long)]
+    pub keep_data: Option<PathBuf>,
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -153,7 +159,13 @@ pub(super) async fn run_sites(
     ));
     let mut opts = ClusterOptions::default();
     opts.site.kv_engine = crate::node_cmd::kv_engine(engine, args.kv_cache_mib);
-    let cluster = RaidCluster::start(sites, &base, opts).await?;
+    let cluster = match &args.keep_data {
+        Some(keep) => {
+            let dir = keep.join(format!("{sites}s-{engine}-scale{}", args.scale));
+            RaidCluster::start_in(sites, &dir, opts).await?
+        }
+        None => RaidCluster::start(sites, &base, opts).await?,
+    };
     let sizes = Workload::sizes(args.mode, args.scale);
     let loading = std::time::Instant::now();
     cluster.load(sizes).await?;
