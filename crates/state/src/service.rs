@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -105,9 +106,9 @@ pub enum WireRefresh {
     /// Nothing to do.
     Current,
     /// Apply this diff (wire form).
-    Diff(Vec<u8>),
+    Diff(Bytes),
     /// Replace by this image (wire form).
-    Image(Vec<u8>),
+    Image(Bytes),
 }
 
 /// One segment in a listing.
@@ -141,7 +142,7 @@ pub enum HomeReply {
         /// How to reach it.
         refresh: WireRefresh,
         /// The transaction's uncommitted diffs past the master (locks only).
-        tentative: Option<Vec<u8>>,
+        tentative: Option<Bytes>,
         /// The version the transaction sees.
         tx_version: u64,
         /// The identifier of the diff that produced the master version (0:
@@ -426,7 +427,7 @@ impl Inner {
     /// is encoded where it lies).
     fn refresh_for(core: &HomeSegment, have: Option<u64>) -> WireRefresh {
         if let Some(d) = have.and_then(|h| core.only_diff_since(h)) {
-            return WireRefresh::Diff(codec::encode_diff(d));
+            return WireRefresh::Diff(codec::encode_diff(d).into());
         }
         Self::encode_refresh(core.refresh(have), core.master())
     }
@@ -434,8 +435,8 @@ impl Inner {
     fn encode_refresh(r: Refresh, master: &Segment) -> WireRefresh {
         match r {
             Refresh::Current => WireRefresh::Current,
-            Refresh::Diff(d) => WireRefresh::Diff(codec::encode_diff(&d)),
-            Refresh::Whole => WireRefresh::Image(codec::encode_segment(master)),
+            Refresh::Diff(d) => WireRefresh::Diff(codec::encode_diff(&d).into()),
+            Refresh::Whole => WireRefresh::Image(codec::encode_segment(master).into()),
         }
     }
 
@@ -481,7 +482,7 @@ impl Inner {
                     let tentative = e
                         .core
                         .pending_since(tid, version)
-                        .map(|d| codec::encode_diff(&d));
+                        .map(|d| Bytes::from(codec::encode_diff(&d)));
                     return Ok(HomeReply::Refresh {
                         version,
                         refresh,

@@ -302,7 +302,15 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     let delta = Coherence::Delta(1000);
     let asked = reader.stats().lock_messages;
     for i in 0..args.calls {
-        for (m, lat) in [(&model, &mut cached), (&delta, &mut cached_delta)] {
+        // The first read after the one-RPC read below runs with caches the
+        // RPC cooled: alternate which model goes first, so that neither pays
+        // for it alone (Temporal always first measured 0.052x against
+        // Delta's 0.046x for the same decision).
+        let mut order = [(&model, &mut cached), (&delta, &mut cached_delta)];
+        if i % 2 == 1 {
+            order.reverse();
+        }
+        for (m, lat) in order {
             let tx = b.begin();
             let t = Instant::now();
             reader.read(tx.context(), &url, m, |_| ()).await?;

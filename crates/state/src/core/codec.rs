@@ -311,7 +311,10 @@ pub fn encode_diff(d: &Diff) -> Vec<u8> {
         types: it.nodes,
         ops,
     };
-    postcard::to_allocvec(&w).expect("a diff always encodes")
+    // Sized up front (a unit is at most 10 bytes unless it is a string or a
+    // MIP, an op's header about 8): a large diff is not copied as it grows.
+    let guess = 64 + d.ops.len() * 8 + (d.units() as usize).saturating_mul(10);
+    postcard::to_extend(&w, Vec::with_capacity(guess.min(1 << 26))).expect("a diff always encodes")
 }
 
 /// Decodes a diff of at most `max_bytes`. Fails with

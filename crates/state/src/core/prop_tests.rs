@@ -83,11 +83,11 @@ fn unit(kind: PrimKind, seed: u64) -> Unit {
             if seed.is_multiple_of(3) {
                 Unit::Null
             } else {
-                Unit::Mip(
+                Unit::Mip(Box::new(
                     format!("weft://n{}/p#{}#{}", seed % 5, seed % 11 + 1, seed % 13)
                         .parse()
                         .unwrap(),
-                )
+                ))
             }
         }
     }

@@ -84,13 +84,13 @@ impl Typed for Option<Mip> {
     }
     fn put(&self, out: &mut Vec<Unit>) {
         out.push(match self {
-            Some(m) => Unit::Mip(m.clone()),
+            Some(m) => Unit::Mip(Box::new(m.clone())),
             None => Unit::Null,
         });
     }
     fn take(it: &mut std::slice::Iter<'_, Unit>) -> Option<Self> {
         match it.next()? {
-            Unit::Mip(m) => Some(Some(m.clone())),
+            Unit::Mip(m) => Some(Some((**m).clone())),
             Unit::Null => Some(None),
             _ => None,
         }

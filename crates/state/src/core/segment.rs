@@ -468,11 +468,13 @@ impl Segment {
                             ty.units()
                         )));
                     }
-                    for (i, u) in units.iter().enumerate() {
-                        let k = ty
-                            .kind_at(start + i as u64)
-                            .ok_or_else(|| StateError::BadDiff("write past the end".to_string()))?;
-                        u.check(k, &self.limits.types)?;
+                    let mut each = units.iter();
+                    let lim = &self.limits.types;
+                    let seen = ty.walk_kinds(*start, units.len() as u64, &mut |k| {
+                        each.next().map_or(Ok(()), |u| u.check(k, lim))
+                    })?;
+                    if seen != units.len() as u64 {
+                        return Err(StateError::BadDiff("write past the end".to_string()));
                     }
                 }
             }

@@ -189,19 +189,25 @@ impl<'a> Writer<'a> {
                 units: len,
             })?;
         let limits = self.seg.limits().types;
-        for (i, u) in units.iter().enumerate() {
-            let k = block
-                .ty
-                .kind_at(start + i as u64)
-                .ok_or(StateError::OffsetOutOfRange {
-                    block: serial,
-                    offset: start + i as u64,
-                    units: len,
-                })?;
+        let mut at = start;
+        let mut each = units.iter();
+        let seen = block.ty.walk_kinds(start, units.len() as u64, &mut |k| {
+            let Some(u) = each.next() else {
+                return Ok(());
+            };
             u.check(k, &limits).map_err(|_| StateError::TypeMismatch {
-                stored: format!("{} at {}", k.name(), start + i as u64),
+                stored: format!("{} at {at}", k.name()),
                 asked: u.kind().name().to_string(),
             })?;
+            at += 1;
+            Ok(())
+        })?;
+        if seen != units.len() as u64 {
+            return Err(StateError::OffsetOutOfRange {
+                block: serial,
+                offset: start + seen,
+                units: len,
+            });
         }
         if units.is_empty() {
             return Ok(());

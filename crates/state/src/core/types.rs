@@ -230,6 +230,69 @@ impl TypeDesc {
         }
     }
 
+    /// Calls `f` with the kind of each unit of `start..start + count`, in
+    /// order, stopping at its first error; returns how many units that range
+    /// has inside the type (less than `count` when it runs past the end).
+    /// Walks the descriptor once per range, not once per unit, so checking a
+    /// run of units costs about one descriptor walk plus one call per unit.
+    pub fn walk_kinds<E>(
+        &self,
+        start: u64,
+        count: u64,
+        f: &mut impl FnMut(PrimKind) -> Result<(), E>,
+    ) -> Result<u64, E> {
+        if count == 0 {
+            return Ok(0);
+        }
+        match self {
+            TypeDesc::Prim(k) => {
+                if start != 0 {
+                    return Ok(0);
+                }
+                f(*k)?;
+                Ok(1)
+            }
+            TypeDesc::Array { elem, len } => {
+                let eu = elem.units();
+                if eu == 0 {
+                    return Ok(0);
+                }
+                let mut i = start / eu;
+                let mut off = start % eu;
+                let mut done = 0u64;
+                while done < count && i < u64::from(*len) {
+                    let take = (eu - off).min(count - done);
+                    let got = elem.walk_kinds(off, take, f)?;
+                    done += got;
+                    if got < take {
+                        break;
+                    }
+                    off = 0;
+                    i += 1;
+                }
+                Ok(done)
+            }
+            TypeDesc::Record { fields, .. } => {
+                let mut at = 0u64;
+                let mut done = 0u64;
+                for fd in fields {
+                    let fu = fd.ty.units();
+                    let pos = start + done;
+                    if pos < at.saturating_add(fu) {
+                        let take = (at + fu - pos).min(count - done);
+                        let got = fd.ty.walk_kinds(pos - at, take, f)?;
+                        done += got;
+                        if got < take || done == count {
+                            break;
+                        }
+                    }
+                    at = at.saturating_add(fu);
+                }
+                Ok(done)
+            }
+        }
+    }
+
     /// Appends the kind of every unit, in order (the flat layout).
     pub fn layout(&self, out: &mut Vec<PrimKind>) {
         match self {
@@ -315,8 +378,9 @@ pub enum Unit {
     F64(f64),
     /// A string.
     Str(String),
-    /// A pointer.
-    Mip(Mip),
+    /// A pointer (boxed: a MIP is large and rare, and every unit of a
+    /// segment is as large as the largest variant).
+    Mip(Box<Mip>),
     /// The null pointer (a MIP unit that points nowhere).
     Null,
 }
@@ -458,6 +522,63 @@ mod tests {
     }
 
     #[test]
+    fn walking_a_range_of_kinds_matches_the_flat_layout() {
+        let t = TypeDesc::Record {
+            name: "Outer".into(),
+            fields: vec![
+                Field {
+                    name: "none".into(),
+                    ty: TypeDesc::Array {
+                        elem: Box::new(TypeDesc::Prim(PrimKind::U8)),
+                        len: 0,
+                    },
+                },
+                Field {
+                    name: "pts".into(),
+                    ty: TypeDesc::Array {
+                        elem: Box::new(point()),
+                        len: 3,
+                    },
+                },
+                Field {
+                    name: "last".into(),
+                    ty: TypeDesc::Prim(PrimKind::Bool),
+                },
+            ],
+        };
+        let mut flat = Vec::new();
+        t.layout(&mut flat);
+        let n = flat.len() as u64;
+        assert_eq!(n, t.units());
+        for start in 0..=n + 1 {
+            for count in 0..=n + 2 - start {
+                let mut seen = Vec::new();
+                let got = t
+                    .walk_kinds(start, count, &mut |k| {
+                        seen.push(k);
+                        Ok::<(), ()>(())
+                    })
+                    .unwrap();
+                let lo = start.min(n) as usize;
+                let hi = (start + count).min(n) as usize;
+                assert_eq!(seen, flat[lo..hi], "start {start} count {count}");
+                assert_eq!(got, (hi - lo) as u64, "start {start} count {count}");
+            }
+        }
+        // The first error stops the walk.
+        let mut calls = 0;
+        let r = t.walk_kinds(0, n, &mut |_| {
+            calls += 1;
+            if calls == 3 {
+                Err("stop")
+            } else {
+                Ok(())
+            }
+        });
+        assert_eq!((r, calls), (Err("stop"), 3));
+    }
+
+    #[test]
     fn limits_refuse_deep_wide_and_empty_types() {
         let lim = TypeLimits {
             max_depth: 2,
@@ -495,6 +616,17 @@ mod tests {
             bad.validate(&TypeLimits::default()),
             Err(StateError::BadName(_))
         ));
+    }
+
+    #[test]
+    fn a_unit_stays_small() {
+        // Every unit of a segment, a twin and a diff is this large: a MIP is
+        // boxed so that a segment of integers does not pay for pointers.
+        assert!(
+            std::mem::size_of::<Unit>() <= 32,
+            "{}",
+            std::mem::size_of::<Unit>()
+        );
     }
 
     #[test]
