@@ -23,7 +23,7 @@ use tracing::Instrument;
 use weft_log::{ForceIntent, Log};
 use weft_transport::{Endpoint, MembershipEvent, PeerRef, PortHandler};
 use weft_wire::{
-    Baggage, Failure, NodeId, Payload, PeerRole, Port, Status, SubPath, Tid, TxContext,
+    Baggage, Failure, NodeId, Payload, PeerRole, Port, Status, SubPath, Tid, TxContext, TxReturn,
 };
 
 use crate::core::CoreConfig;
@@ -200,6 +200,29 @@ impl CallGuard {
             .as_ref()
             .is_some_and(|(inner, tid)| inner.core.lock().is_aborted(*tid))
     }
+
+    /// Ends the call and answers what its response carries back about the
+    /// transaction: the baggage merged here and whether the transaction
+    /// aborted while the call ran, read under the lock that ends the call
+    /// (one look at the core, where reading them and then dropping the
+    /// guard took three).
+    pub fn finish(mut self) -> TxReturn {
+        let Some((inner, tid)) = self.call.take() else {
+            return TxReturn::default();
+        };
+        let (ret, actions) = {
+            let mut core = inner.core.lock();
+            let ret = TxReturn {
+                baggage: core.baggage(tid).unwrap_or_default(),
+                aborted: core.is_aborted(tid),
+            };
+            (ret, core.step(Instant::now(), Event::CallDone { tid }))
+        };
+        if !actions.is_empty() {
+            inner.spawn_drive(actions);
+        }
+        ret
+    }
 }
 
 impl Drop for CallGuard {
@@ -375,6 +398,44 @@ impl TxManager {
         inner.core.lock().call_out(ctx.tid, to, incarnation)
     }
 
+    /// [`TxManager::on_call_out`] and what the call then carries, under one
+    /// look at the transaction (one lock, no clone of the context's own
+    /// baggage): `to` becomes a child, and the answer is the context to send
+    /// (`ctx`'s transaction and path, the baggage merged here, the budget
+    /// left at `now` until the deadline known here, else `ctx`'s budget)
+    /// with that deadline.
+    ///
+    /// Fails like [`TxManager::on_call_out`].
+    pub fn call_out_context(
+        &self,
+        ctx: &TxContext,
+        to: NodeId,
+        now: Instant,
+    ) -> Result<(TxContext, Option<Instant>), Failure> {
+        let inner = &self.inner;
+        let incarnation = inner.endpoint.peer_incarnation(to).unwrap_or_default();
+        let (deadline, baggage) = {
+            let mut core = inner.core.lock();
+            core.call_out(ctx.tid, to, incarnation)?;
+            (core.deadline(ctx.tid), core.baggage(ctx.tid))
+        };
+        let budget_us = match deadline {
+            Some(d) => Some(
+                d.saturating_duration_since(now)
+                    .as_micros()
+                    .min(u64::MAX as u128) as u64,
+            ),
+            None => ctx.budget_us,
+        };
+        let out = TxContext {
+            tid: ctx.tid,
+            path: ctx.path.clone(),
+            budget_us,
+            baggage: baggage.unwrap_or_else(|| ctx.baggage.clone()),
+        };
+        Ok((out, deadline))
+    }
+
     /// Records that a call on behalf of `ctx` arrived from `from` for a
     /// service (or resource) of class `class`: this node joins the
     /// transaction (becoming the caller's child) if it had not, the resource
@@ -393,37 +454,51 @@ impl TxManager {
     ) -> Result<CallGuard, Failure> {
         let inner = &self.inner;
         let call = inner.ids.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        inner.admits.lock().insert(call, tx);
         let mut out = Vec::new();
         // Resource code runs before the core's lock is taken, never under it.
         let resource = resource.map(|(r, class)| handle(r, class));
-        let joined = inner.core.lock().call_in(
-            Instant::now(),
-            ctx,
-            from.node,
-            from.role == PeerRole::Node,
-            resource,
-            CallId(call),
-            &mut out,
-        );
-        inner.work.notify_one();
-        let joined = match joined {
-            Ok(j) => j,
-            Err(f) => {
-                inner.admits.lock().remove(&call);
-                return Err(f);
-            }
+        let joined = {
+            let mut core = inner.core.lock();
+            let was_live = core.live();
+            let joined = core.call_in(
+                Instant::now(),
+                ctx,
+                from.node,
+                from.role == PeerRole::Node,
+                resource,
+                CallId(call),
+                &mut out,
+            );
+            // Only a call that must wait for its adoption has an answer to
+            // wait for; its waiter is in place before the core's lock is let
+            // go, so no answer can come first (the common call, joining at
+            // once, costs no channel and no table entry).
+            let joined = joined.map(|j| {
+                let rx = (j == CallIn::Enlisting).then(|| {
+                    let (tx, rx) = oneshot::channel();
+                    inner.admits.lock().insert(call, tx);
+                    rx
+                });
+                let new_here = rx.is_some() || core.live() != was_live;
+                (rx, new_here)
+            });
+            joined
         };
-        inner.drive(out).await;
-        if joined == CallIn::Enlisting {
+        let (rx, new_here) = joined?;
+        if new_here {
+            // A transaction (or an adoption awaited) appeared here: the
+            // timer, which sleeps while there is none, must tick.
+            inner.work.notify_one();
+        }
+        if !out.is_empty() {
+            inner.drive(out).await;
+        }
+        if let Some(rx) = rx {
             match rx.await {
                 Ok(Ok(())) => {}
                 Ok(Err(f)) => return Err(f),
                 Err(_) => return Err(Failure::new(Status::Internal, "enlistment abandoned")),
             }
-        } else {
-            inner.admits.lock().remove(&call);
         }
         Ok(CallGuard {
             call: Some((Arc::clone(inner), ctx.tid)),

@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use weft_log::Lsn;
-use weft_wire::{Baggage, Failure, Incarnation, NodeId, Status, SubPath, Tid, TxContext};
+use weft_wire::{Baggage, Failure, IdMap, Incarnation, NodeId, Status, SubPath, Tid, TxContext};
 
 use crate::core::{self, late, CoreConfig, Durability, Input, Phase, TxCore};
 use crate::msg::{Answer, Outcome, TmRecord, TxMsg, Vote};
@@ -701,7 +701,10 @@ pub struct TmCore<R: ResourceRef> {
     now: Instant,
     seq: u64,
     births: u64,
-    txs: HashMap<Tid, Entry<R>>,
+    /// Keyed by ids cluster members allocate (a client's transaction is
+    /// only entered once its coordinator adopts the node), so hashed as ids:
+    /// every call under a transaction looks it up several times.
+    txs: IdMap<Tid, Entry<R>>,
     tombstones: Tombstones,
     registered: Vec<R>,
     recovered: HashMap<Tid, Recovered>,
@@ -767,7 +770,7 @@ impl<R: ResourceRef> TmCore<R> {
             now,
             seq: 1,
             births: 0,
-            txs: HashMap::new(),
+            txs: IdMap::default(),
             tombstones: Tombstones {
                 map: HashMap::new(),
                 order: VecDeque::new(),
@@ -2524,10 +2527,14 @@ fn enlist<R: ResourceRef>(e: &mut Entry<R>, resource: R) {
     e.enlisted.push(resource);
 }
 
-/// Last writer wins per key.
+/// Last writer wins per key. A key already here is not cloned again (this
+/// runs on every call that carries baggage, and on its return).
 fn merge_baggage(into: &mut Baggage, from: &Baggage) {
     for item in &from.0 {
-        into.set(item.key.clone(), item.value.clone());
+        match into.0.iter_mut().find(|i| i.key == item.key) {
+            Some(have) => have.value = item.value.clone(),
+            None => into.0.push(item.clone()),
+        }
     }
 }
 
