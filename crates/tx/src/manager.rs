@@ -202,18 +202,22 @@ impl CallGuard {
     }
 
     /// Ends the call and answers what its response carries back about the
-    /// transaction: the baggage merged here and whether the transaction
-    /// aborted while the call ran, read under the lock that ends the call
-    /// (one look at the core, where reading them and then dropping the
-    /// guard took three).
-    pub fn finish(mut self) -> TxReturn {
+    /// transaction, read under the lock that ends the call (one look at the
+    /// core, where reading them and then dropping the guard took three):
+    /// whether the transaction aborted while the call ran, and the baggage
+    /// merged here less the entries the request brought (`sent`) with the
+    /// same value. The caller already holds those: merging what is returned
+    /// leaves it with the baggage merging all of it would, and a call that
+    /// changed nothing returns none, so the common call does not carry the
+    /// baggage back, decode it and merge it again.
+    pub fn finish(mut self, sent: &Baggage) -> TxReturn {
         let Some((inner, tid)) = self.call.take() else {
             return TxReturn::default();
         };
         let (ret, actions) = {
             let mut core = inner.core.lock();
             let ret = TxReturn {
-                baggage: core.baggage(tid).unwrap_or_default(),
+                baggage: core.baggage_beyond(tid, sent),
                 aborted: core.is_aborted(tid),
             };
             (ret, core.step(Instant::now(), Event::CallDone { tid }))
@@ -1327,6 +1331,61 @@ mod tests {
         })
         .await;
         assert!(tm.orphans().is_empty());
+    }
+
+    /// A call's response returns the baggage merged where it ran less what
+    /// the request brought unchanged: merging it leaves the caller with the
+    /// baggage merging all of it would, and a call that changed nothing
+    /// returns none.
+    #[tokio::test]
+    async fn a_call_returns_only_the_baggage_its_request_did_not_bring() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let hub = InprocHub::new();
+        let (e1, tm) = node(1, &hub, dir.path()).await;
+        let tm = tm.expect("node 1 has a transaction manager");
+        let from = PeerRef {
+            node: NodeId(1),
+            incarnation: e1.incarnation(),
+            role: PeerRole::Node,
+            link: 0,
+            channel: weft_transport::ChannelKind::Inproc,
+        };
+        let item = |k: &str, v: &'static [u8]| weft_wire::BaggageItem {
+            key: k.to_string(),
+            value: bytes::Bytes::from_static(v),
+        };
+        let mut ctx = tm.begin(None);
+        ctx.baggage = Baggage(vec![item("a", b"1")]);
+
+        // Nothing changed where the call ran: nothing comes back.
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        let ret = call.finish(&ctx.baggage);
+        assert_eq!(ret, TxReturn::default());
+
+        // The call added an entry and replaced the request's: both come
+        // back, the unchanged one does not.
+        ctx.baggage = Baggage(vec![item("a", b"1"), item("c", b"3")]);
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        tm.merge_baggage(ctx.tid, &Baggage(vec![item("b", b"2"), item("a", b"9")]));
+        let ret = call.finish(&ctx.baggage);
+        assert!(!ret.aborted);
+        assert_eq!(ret.baggage, Baggage(vec![item("a", b"9"), item("b", b"2")]));
+
+        // Whatever was merged where the call ran, the caller merging what
+        // comes back ends where merging the whole baggage would leave it.
+        let mut caller = ctx.baggage.clone();
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        let ret = call.finish(&ctx.baggage);
+        let whole = tm.baggage(ctx.tid).expect("live");
+        let mut merged_whole = caller.clone();
+        for i in &whole.0 {
+            merged_whole.set(i.key.clone(), i.value.clone());
+        }
+        for i in &ret.baggage.0 {
+            caller.set(i.key.clone(), i.value.clone());
+        }
+        assert_eq!(caller, merged_whole);
+        tm.abort(ctx.tid, "test").await.expect("aborted");
     }
 
     /// Issue 16 item 11: a local prepare that overlapped the abort (the

@@ -1276,6 +1276,24 @@ impl<R: ResourceRef> TmCore<R> {
         self.txs.get(&tid).map(|e| e.baggage.clone())
     }
 
+    /// The baggage merged here for `tid` less the entries `known` holds
+    /// with the same value (empty when `tid` is not live here): what the
+    /// response to a call that brought `known` returns, since the caller
+    /// merging it ends with the same baggage as merging all of it.
+    pub fn baggage_beyond(&self, tid: Tid, known: &Baggage) -> Baggage {
+        let Some(e) = self.txs.get(&tid) else {
+            return Baggage::default();
+        };
+        Baggage(
+            e.baggage
+                .0
+                .iter()
+                .filter(|i| known.get(&i.key) != Some(&i.value))
+                .cloned()
+                .collect(),
+        )
+    }
+
     /// Merges baggage returned by a call.
     pub fn merge_baggage(&mut self, tid: Tid, baggage: &Baggage) {
         if let Some(e) = self.txs.get_mut(&tid) {
