@@ -489,12 +489,6 @@ impl Rpc {
         let participant: Option<(Arc<dyn Resource>, ParticipationClass)> = service
             .as_ref()
             .and_then(|s| s.participant.clone().map(|p| (p, s.class)));
-        // What the request brought: the response returns only what differs.
-        let sent = req
-            .tx
-            .as_ref()
-            .map(|t| t.baggage.clone())
-            .unwrap_or_default();
         let guard = match &req.tx {
             Some(ctx) => match self.inner.tm.on_call_in(ctx, from, participant).await {
                 Ok(g) => Some(g),
@@ -534,7 +528,7 @@ impl Rpc {
                 },
             }
         };
-        let tx_return = guard.map(|g| Box::new(g.finish(&sent)));
+        let tx_return = guard.map(|g| Box::new(g.finish()));
         Response {
             tx: tx_return,
             ..plain_response(result)

@@ -191,6 +191,9 @@ pub struct TxManager {
 #[must_use = "the call counts as running until the guard is dropped"]
 pub struct CallGuard {
     call: Option<(Arc<TmInner>, Tid)>,
+    /// The transaction's baggage here when the call joined, if it was
+    /// exactly what the call brought ([`TmCore::baggage_mark`]).
+    baggage_mark: Option<u64>,
 }
 
 impl CallGuard {
@@ -204,20 +207,18 @@ impl CallGuard {
     /// Ends the call and answers what its response carries back about the
     /// transaction, read under the lock that ends the call (one look at the
     /// core, where reading them and then dropping the guard took three):
-    /// whether the transaction aborted while the call ran, and the baggage
-    /// merged here less the entries the request brought (`sent`) with the
-    /// same value. The caller already holds those: merging what is returned
-    /// leaves it with the baggage merging all of it would, and a call that
-    /// changed nothing returns none, so the common call does not carry the
-    /// baggage back, decode it and merge it again.
-    pub fn finish(mut self, sent: &Baggage) -> TxReturn {
+    /// whether the transaction aborted while the call ran, and its baggage
+    /// here, or none when that is still exactly what the request brought
+    /// (the caller has it: the common call does not carry the baggage back,
+    /// decode it and merge it again for nothing).
+    pub fn finish(mut self) -> TxReturn {
         let Some((inner, tid)) = self.call.take() else {
             return TxReturn::default();
         };
         let (ret, actions) = {
             let mut core = inner.core.lock();
             let ret = TxReturn {
-                baggage: core.baggage_beyond(tid, sent),
+                baggage: core.baggage_since(tid, self.baggage_mark),
                 aborted: core.is_aborted(tid),
             };
             (ret, core.step(Instant::now(), Event::CallDone { tid }))
@@ -484,11 +485,17 @@ impl TxManager {
                     rx
                 });
                 let new_here = rx.is_some() || core.live() != was_live;
-                (rx, new_here)
+                // An adopted call's baggage is merged later: it gets all of
+                // it back.
+                let mark = match j {
+                    CallIn::Joined => core.baggage_mark(ctx.tid, &ctx.baggage),
+                    CallIn::Enlisting => None,
+                };
+                (rx, new_here, mark)
             });
             joined
         };
-        let (rx, new_here) = joined?;
+        let (rx, new_here, baggage_mark) = joined?;
         if new_here {
             // A transaction (or an adoption awaited) appeared here: the
             // timer, which sleeps while there is none, must tick.
@@ -506,6 +513,7 @@ impl TxManager {
         }
         Ok(CallGuard {
             call: Some((Arc::clone(inner), ctx.tid)),
+            baggage_mark,
         })
     }
 
@@ -1333,12 +1341,12 @@ mod tests {
         assert!(tm.orphans().is_empty());
     }
 
-    /// A call's response returns the baggage merged where it ran less what
-    /// the request brought unchanged: merging it leaves the caller with the
-    /// baggage merging all of it would, and a call that changed nothing
-    /// returns none.
+    /// A call's response returns no baggage when the baggage where it ran
+    /// is still exactly what its request brought, and all of it otherwise:
+    /// either way the caller merging it ends where merging the whole
+    /// baggage would leave it.
     #[tokio::test]
-    async fn a_call_returns_only_the_baggage_its_request_did_not_bring() {
+    async fn a_call_returns_the_baggage_only_when_it_is_not_what_the_request_brought() {
         let dir = tempfile::tempdir().expect("temporary directory");
         let hub = InprocHub::new();
         let (e1, tm) = node(1, &hub, dir.path()).await;
@@ -1354,37 +1362,53 @@ mod tests {
             key: k.to_string(),
             value: bytes::Bytes::from_static(v),
         };
+        let merged = |into: &Baggage, from: &Baggage| {
+            let mut b = into.clone();
+            for i in &from.0 {
+                b.set(i.key.clone(), i.value.clone());
+            }
+            b
+        };
         let mut ctx = tm.begin(None);
         ctx.baggage = Baggage(vec![item("a", b"1")]);
 
         // Nothing changed where the call ran: nothing comes back.
         let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
-        let ret = call.finish(&ctx.baggage);
-        assert_eq!(ret, TxReturn::default());
+        assert_eq!(call.finish(), TxReturn::default());
 
-        // The call added an entry and replaced the request's: both come
-        // back, the unchanged one does not.
+        // The same again, the request now bringing a new entry.
         ctx.baggage = Baggage(vec![item("a", b"1"), item("c", b"3")]);
         let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
-        tm.merge_baggage(ctx.tid, &Baggage(vec![item("b", b"2"), item("a", b"9")]));
-        let ret = call.finish(&ctx.baggage);
-        assert!(!ret.aborted);
-        assert_eq!(ret.baggage, Baggage(vec![item("a", b"9"), item("b", b"2")]));
+        assert_eq!(call.finish(), TxReturn::default());
 
-        // Whatever was merged where the call ran, the caller merging what
-        // comes back ends where merging the whole baggage would leave it.
-        let mut caller = ctx.baggage.clone();
+        // The call replaced an entry and added one: all of it comes back.
         let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
-        let ret = call.finish(&ctx.baggage);
+        tm.merge_baggage(ctx.tid, &Baggage(vec![item("b", b"2"), item("a", b"9")]));
+        let ret = call.finish();
+        assert!(!ret.aborted);
         let whole = tm.baggage(ctx.tid).expect("live");
-        let mut merged_whole = caller.clone();
-        for i in &whole.0 {
-            merged_whole.set(i.key.clone(), i.value.clone());
-        }
-        for i in &ret.baggage.0 {
-            caller.set(i.key.clone(), i.value.clone());
-        }
-        assert_eq!(caller, merged_whole);
+        assert_eq!(ret.baggage, whole);
+        assert_eq!(
+            merged(&ctx.baggage, &ret.baggage),
+            Baggage(vec![item("a", b"9"), item("c", b"3"), item("b", b"2")])
+        );
+
+        // Whatever comes back, the caller ends where the whole baggage would
+        // leave it.
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        tm.merge_baggage(ctx.tid, &Baggage(vec![item("b", b"2")]));
+        let ret = call.finish();
+        let whole = tm.baggage(ctx.tid).expect("live");
+        assert_eq!(
+            merged(&ctx.baggage, &ret.baggage),
+            merged(&ctx.baggage, &whole)
+        );
+
+        // A caller that lacks an entry held here gets all of it back.
+        ctx.baggage = Baggage(vec![item("a", b"9")]);
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        let ret = call.finish();
+        assert_eq!(ret.baggage, tm.baggage(ctx.tid).expect("live"));
         tm.abort(ctx.tid, "test").await.expect("aborted");
     }
 

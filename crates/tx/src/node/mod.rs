@@ -625,6 +625,9 @@ struct Entry<R> {
     outcome: Option<Outcome>,
     next_sub: HashMap<SubPath, u32>,
     baggage: Baggage,
+    /// Counts the changes of `baggage` (an entry added or given another
+    /// value): a call compares it to learn whether anything changed.
+    baggage_changes: u64,
     expecting_force: bool,
     wrote_durable: bool,
     committed_early: bool,
@@ -953,6 +956,7 @@ impl<R: ResourceRef> TmCore<R> {
             outcome: None,
             next_sub: HashMap::new(),
             baggage: Baggage::default(),
+            baggage_changes: 0,
             expecting_force: false,
             wrote_durable: false,
             committed_early: false,
@@ -1102,8 +1106,8 @@ impl<R: ResourceRef> TmCore<R> {
             return Err(Self::not_active(tid, e));
         }
         e.active_calls += 1;
-        if !baggage.is_empty() {
-            merge_baggage(&mut e.baggage, baggage);
+        if !baggage.is_empty() && merge_baggage(&mut e.baggage, baggage) {
+            e.baggage_changes += 1;
         }
         if let Some(r) = resource {
             enlist(e, r);
@@ -1276,28 +1280,36 @@ impl<R: ResourceRef> TmCore<R> {
         self.txs.get(&tid).map(|e| e.baggage.clone())
     }
 
-    /// The baggage merged here for `tid` less the entries `known` holds
-    /// with the same value (empty when `tid` is not live here): what the
-    /// response to a call that brought `known` returns, since the caller
-    /// merging it ends with the same baggage as merging all of it.
-    pub fn baggage_beyond(&self, tid: Tid, known: &Baggage) -> Baggage {
-        let Some(e) = self.txs.get(&tid) else {
-            return Baggage::default();
-        };
-        Baggage(
-            e.baggage
-                .0
-                .iter()
-                .filter(|i| known.get(&i.key) != Some(&i.value))
-                .cloned()
-                .collect(),
-        )
+    /// A mark of `tid`'s baggage here for a call that brought `brought`,
+    /// taken when it joined: `Some` when the baggage here is exactly
+    /// `brought` (every entry here came with the same value), `None` when it
+    /// holds more or `tid` is not live here.
+    pub fn baggage_mark(&self, tid: Tid, brought: &Baggage) -> Option<u64> {
+        let e = self.txs.get(&tid)?;
+        e.baggage
+            .0
+            .iter()
+            .all(|i| brought.get(&i.key) == Some(&i.value))
+            .then_some(e.baggage_changes)
+    }
+
+    /// What the response to a call marked `mark` (see
+    /// [`TmCore::baggage_mark`]) returns of `tid`'s baggage: nothing when
+    /// it is still what the call brought (the caller has it), else all of
+    /// it; nothing when `tid` is not live here.
+    pub fn baggage_since(&self, tid: Tid, mark: Option<u64>) -> Baggage {
+        match self.txs.get(&tid) {
+            Some(e) if mark != Some(e.baggage_changes) => e.baggage.clone(),
+            _ => Baggage::default(),
+        }
     }
 
     /// Merges baggage returned by a call.
     pub fn merge_baggage(&mut self, tid: Tid, baggage: &Baggage) {
         if let Some(e) = self.txs.get_mut(&tid) {
-            merge_baggage(&mut e.baggage, baggage);
+            if merge_baggage(&mut e.baggage, baggage) {
+                e.baggage_changes += 1;
+            }
         }
     }
 
@@ -2545,15 +2557,25 @@ fn enlist<R: ResourceRef>(e: &mut Entry<R>, resource: R) {
     e.enlisted.push(resource);
 }
 
-/// Last writer wins per key. A key already here is not cloned again (this
+/// Last writer wins per key; true when an entry was added or given another
+/// value. An entry already here with the same value is left as it is (this
 /// runs on every call that carries baggage, and on its return).
-fn merge_baggage(into: &mut Baggage, from: &Baggage) {
+fn merge_baggage(into: &mut Baggage, from: &Baggage) -> bool {
+    let mut changed = false;
     for item in &from.0 {
         match into.0.iter_mut().find(|i| i.key == item.key) {
-            Some(have) => have.value = item.value.clone(),
-            None => into.0.push(item.clone()),
+            Some(have) if have.value == item.value => {}
+            Some(have) => {
+                have.value = item.value.clone();
+                changed = true;
+            }
+            None => {
+                into.0.push(item.clone());
+                changed = true;
+            }
         }
     }
+    changed
 }
 
 fn apply_sub_end<R: ResourceRef>(
