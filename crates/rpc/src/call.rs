@@ -28,7 +28,7 @@ use weft_transport::{Endpoint, PeerRef, RequestHandler, Responder};
 use weft_tx::{ParticipationClass, Resource, TxManager};
 use weft_wire::{
     Address, Failure, NodeId, Payload, PeerRole, Request, Response, ServiceName, Status, Tid,
-    TxContext, TxReturn,
+    TxContext,
 };
 
 use crate::service::{Handler, Service, ServiceInfo, ServiceOptions};
@@ -146,10 +146,6 @@ fn decode_response<Resp: DeserializeOwned + Send + 'static>(
             format!("response of {addr} is not the expected type: {e}"),
         )
     })
-}
-
-fn budget(deadline: Option<Instant>) -> Option<u64> {
-    deadline.map(|d| micros_until(d, Instant::now()))
 }
 
 /// Whole microseconds from `now` until `deadline` (0 once past).
@@ -384,22 +380,22 @@ impl Rpc {
                 inner.cfg.default_timeout.as_micros().min(u64::MAX as u128) as u64,
             ),
         };
-        let mut ctx = tx.cloned();
-        if let Some(ctx) = ctx.as_mut() {
-            inner.tm.on_call_out(ctx, addr.node)?;
-            // A context's budget is relative to when it was made: recompute it
-            // from the transaction's deadline as this node knows it.
-            if let Some(tx_deadline) = inner.tm.deadline(ctx.tid) {
-                if tx_deadline < deadline {
+        // The context sent is made under one look at the transaction: the
+        // callee becomes a child, the baggage is this node's, and the budget
+        // (a context's is relative to when it was made) is recomputed from
+        // the transaction's deadline as this node knows it.
+        #[cfg_attr(not(feature = "otel"), allow(unused_mut))]
+        let mut ctx = match tx {
+            Some(tx) => {
+                let (ctx, tx_deadline) = inner.tm.call_out_context(tx, addr.node, now)?;
+                if let Some(tx_deadline) = tx_deadline.filter(|d| *d < deadline) {
                     deadline = tx_deadline;
                     budget_us = micros_until(deadline, now);
                 }
-                ctx.budget_us = budget(Some(tx_deadline));
+                Some(ctx)
             }
-            if let Some(b) = inner.tm.baggage(ctx.tid) {
-                ctx.baggage = b;
-            }
-        }
+            None => None,
+        };
         let tid = ctx.as_ref().map(|c| c.tid);
         let span = match tid {
             Some(t) => tracing::debug_span!("call", tid = %t, to = %addr),
@@ -500,7 +496,6 @@ impl Rpc {
             },
             None => None,
         };
-        let tid = req.tx.as_ref().map(|t| t.tid);
         let result = if relay {
             // A client asked this node to call another: this node calls on
             // the client's behalf (and takes part in its transaction).
@@ -519,22 +514,21 @@ impl Rpc {
                 tx: req.tx.map(|ctx| *ctx),
                 deadline,
             };
-            let fut = run_handler(service, ctx, req.payload);
-            match deadline {
-                Some(d) => tokio::time::timeout_at(d.into(), fut)
-                    .await
-                    .unwrap_or_else(|_| Err(handler_timed_out())),
-                None => fut.await,
+            let mut fut = run_handler(service, ctx, req.payload);
+            // A handler ready at its first poll (an inline one) is answered
+            // without arming the deadline's timer; one that must wait runs
+            // under it.
+            match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut fut).poll(cx))).await {
+                Poll::Ready(result) => result,
+                Poll::Pending => match deadline {
+                    Some(d) => tokio::time::timeout_at(d.into(), fut)
+                        .await
+                        .unwrap_or_else(|_| Err(handler_timed_out())),
+                    None => fut.await,
+                },
             }
         };
-        let aborted = guard.as_ref().is_some_and(|g| g.aborted());
-        let tx_return = tid.map(|t| {
-            Box::new(TxReturn {
-                baggage: self.inner.tm.baggage(t).unwrap_or_default(),
-                aborted,
-            })
-        });
-        drop(guard);
+        let tx_return = guard.map(|g| Box::new(g.finish()));
         Response {
             tx: tx_return,
             ..plain_response(result)

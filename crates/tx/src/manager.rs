@@ -23,7 +23,7 @@ use tracing::Instrument;
 use weft_log::{ForceIntent, Log};
 use weft_transport::{Endpoint, MembershipEvent, PeerRef, PortHandler};
 use weft_wire::{
-    Baggage, Failure, NodeId, Payload, PeerRole, Port, Status, SubPath, Tid, TxContext,
+    Baggage, Failure, NodeId, Payload, PeerRole, Port, Status, SubPath, Tid, TxContext, TxReturn,
 };
 
 use crate::core::CoreConfig;
@@ -191,6 +191,9 @@ pub struct TxManager {
 #[must_use = "the call counts as running until the guard is dropped"]
 pub struct CallGuard {
     call: Option<(Arc<TmInner>, Tid)>,
+    /// The transaction's baggage here when the call joined, if it was
+    /// exactly what the call brought ([`TmCore::baggage_mark`]).
+    baggage_mark: Option<u64>,
 }
 
 impl CallGuard {
@@ -199,6 +202,31 @@ impl CallGuard {
         self.call
             .as_ref()
             .is_some_and(|(inner, tid)| inner.core.lock().is_aborted(*tid))
+    }
+
+    /// Ends the call and answers what its response carries back about the
+    /// transaction, read under the lock that ends the call (one look at the
+    /// core, where reading them and then dropping the guard took three):
+    /// whether the transaction aborted while the call ran, and its baggage
+    /// here, or none when that is still exactly what the request brought
+    /// (the caller has it: the common call does not carry the baggage back,
+    /// decode it and merge it again for nothing).
+    pub fn finish(mut self) -> TxReturn {
+        let Some((inner, tid)) = self.call.take() else {
+            return TxReturn::default();
+        };
+        let (ret, actions) = {
+            let mut core = inner.core.lock();
+            let ret = TxReturn {
+                baggage: core.baggage_since(tid, self.baggage_mark),
+                aborted: core.is_aborted(tid),
+            };
+            (ret, core.step(Instant::now(), Event::CallDone { tid }))
+        };
+        if !actions.is_empty() {
+            inner.spawn_drive(actions);
+        }
+        ret
     }
 }
 
@@ -375,6 +403,44 @@ impl TxManager {
         inner.core.lock().call_out(ctx.tid, to, incarnation)
     }
 
+    /// [`TxManager::on_call_out`] and what the call then carries, under one
+    /// look at the transaction (one lock, no clone of the context's own
+    /// baggage): `to` becomes a child, and the answer is the context to send
+    /// (`ctx`'s transaction and path, the baggage merged here, the budget
+    /// left at `now` until the deadline known here, else `ctx`'s budget)
+    /// with that deadline.
+    ///
+    /// Fails like [`TxManager::on_call_out`].
+    pub fn call_out_context(
+        &self,
+        ctx: &TxContext,
+        to: NodeId,
+        now: Instant,
+    ) -> Result<(TxContext, Option<Instant>), Failure> {
+        let inner = &self.inner;
+        let incarnation = inner.endpoint.peer_incarnation(to).unwrap_or_default();
+        let (deadline, baggage) = {
+            let mut core = inner.core.lock();
+            core.call_out(ctx.tid, to, incarnation)?;
+            (core.deadline(ctx.tid), core.baggage(ctx.tid))
+        };
+        let budget_us = match deadline {
+            Some(d) => Some(
+                d.saturating_duration_since(now)
+                    .as_micros()
+                    .min(u64::MAX as u128) as u64,
+            ),
+            None => ctx.budget_us,
+        };
+        let out = TxContext {
+            tid: ctx.tid,
+            path: ctx.path.clone(),
+            budget_us,
+            baggage: baggage.unwrap_or_else(|| ctx.baggage.clone()),
+        };
+        Ok((out, deadline))
+    }
+
     /// Records that a call on behalf of `ctx` arrived from `from` for a
     /// service (or resource) of class `class`: this node joins the
     /// transaction (becoming the caller's child) if it had not, the resource
@@ -393,40 +459,61 @@ impl TxManager {
     ) -> Result<CallGuard, Failure> {
         let inner = &self.inner;
         let call = inner.ids.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        inner.admits.lock().insert(call, tx);
         let mut out = Vec::new();
         // Resource code runs before the core's lock is taken, never under it.
         let resource = resource.map(|(r, class)| handle(r, class));
-        let joined = inner.core.lock().call_in(
-            Instant::now(),
-            ctx,
-            from.node,
-            from.role == PeerRole::Node,
-            resource,
-            CallId(call),
-            &mut out,
-        );
-        inner.work.notify_one();
-        let joined = match joined {
-            Ok(j) => j,
-            Err(f) => {
-                inner.admits.lock().remove(&call);
-                return Err(f);
-            }
+        let joined = {
+            let mut core = inner.core.lock();
+            let was_live = core.live();
+            let joined = core.call_in(
+                Instant::now(),
+                ctx,
+                from.node,
+                from.role == PeerRole::Node,
+                resource,
+                CallId(call),
+                &mut out,
+            );
+            // Only a call that must wait for its adoption has an answer to
+            // wait for; its waiter is in place before the core's lock is let
+            // go, so no answer can come first (the common call, joining at
+            // once, costs no channel and no table entry).
+            let joined = joined.map(|j| {
+                let rx = (j == CallIn::Enlisting).then(|| {
+                    let (tx, rx) = oneshot::channel();
+                    inner.admits.lock().insert(call, tx);
+                    rx
+                });
+                let new_here = rx.is_some() || core.live() != was_live;
+                // An adopted call's baggage is merged later: it gets all of
+                // it back.
+                let mark = match j {
+                    CallIn::Joined => core.baggage_mark(ctx.tid, &ctx.baggage),
+                    CallIn::Enlisting => None,
+                };
+                (rx, new_here, mark)
+            });
+            joined
         };
-        inner.drive(out).await;
-        if joined == CallIn::Enlisting {
+        let (rx, new_here, baggage_mark) = joined?;
+        if new_here {
+            // A transaction (or an adoption awaited) appeared here: the
+            // timer, which sleeps while there is none, must tick.
+            inner.work.notify_one();
+        }
+        if !out.is_empty() {
+            inner.drive(out).await;
+        }
+        if let Some(rx) = rx {
             match rx.await {
                 Ok(Ok(())) => {}
                 Ok(Err(f)) => return Err(f),
                 Err(_) => return Err(Failure::new(Status::Internal, "enlistment abandoned")),
             }
-        } else {
-            inner.admits.lock().remove(&call);
         }
         Ok(CallGuard {
             call: Some((Arc::clone(inner), ctx.tid)),
+            baggage_mark,
         })
     }
 
@@ -1252,6 +1339,77 @@ mod tests {
         })
         .await;
         assert!(tm.orphans().is_empty());
+    }
+
+    /// A call's response returns no baggage when the baggage where it ran
+    /// is still exactly what its request brought, and all of it otherwise:
+    /// either way the caller merging it ends where merging the whole
+    /// baggage would leave it.
+    #[tokio::test]
+    async fn a_call_returns_the_baggage_only_when_it_is_not_what_the_request_brought() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let hub = InprocHub::new();
+        let (e1, tm) = node(1, &hub, dir.path()).await;
+        let tm = tm.expect("node 1 has a transaction manager");
+        let from = PeerRef {
+            node: NodeId(1),
+            incarnation: e1.incarnation(),
+            role: PeerRole::Node,
+            link: 0,
+            channel: weft_transport::ChannelKind::Inproc,
+        };
+        let item = |k: &str, v: &'static [u8]| weft_wire::BaggageItem {
+            key: k.to_string(),
+            value: bytes::Bytes::from_static(v),
+        };
+        let merged = |into: &Baggage, from: &Baggage| {
+            let mut b = into.clone();
+            for i in &from.0 {
+                b.set(i.key.clone(), i.value.clone());
+            }
+            b
+        };
+        let mut ctx = tm.begin(None);
+        ctx.baggage = Baggage(vec![item("a", b"1")]);
+
+        // Nothing changed where the call ran: nothing comes back.
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        assert_eq!(call.finish(), TxReturn::default());
+
+        // The same again, the request now bringing a new entry.
+        ctx.baggage = Baggage(vec![item("a", b"1"), item("c", b"3")]);
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        assert_eq!(call.finish(), TxReturn::default());
+
+        // The call replaced an entry and added one: all of it comes back.
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        tm.merge_baggage(ctx.tid, &Baggage(vec![item("b", b"2"), item("a", b"9")]));
+        let ret = call.finish();
+        assert!(!ret.aborted);
+        let whole = tm.baggage(ctx.tid).expect("live");
+        assert_eq!(ret.baggage, whole);
+        assert_eq!(
+            merged(&ctx.baggage, &ret.baggage),
+            Baggage(vec![item("a", b"9"), item("c", b"3"), item("b", b"2")])
+        );
+
+        // Whatever comes back, the caller ends where the whole baggage would
+        // leave it.
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        tm.merge_baggage(ctx.tid, &Baggage(vec![item("b", b"2")]));
+        let ret = call.finish();
+        let whole = tm.baggage(ctx.tid).expect("live");
+        assert_eq!(
+            merged(&ctx.baggage, &ret.baggage),
+            merged(&ctx.baggage, &whole)
+        );
+
+        // A caller that lacks an entry held here gets all of it back.
+        ctx.baggage = Baggage(vec![item("a", b"9")]);
+        let call = tm.on_call_in(&ctx, from, None).await.expect("joined");
+        let ret = call.finish();
+        assert_eq!(ret.baggage, tm.baggage(ctx.tid).expect("live"));
+        tm.abort(ctx.tid, "test").await.expect("aborted");
     }
 
     /// Issue 16 item 11: a local prepare that overlapped the abort (the

@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use weft_log::Lsn;
-use weft_wire::{Baggage, Failure, Incarnation, NodeId, Status, SubPath, Tid, TxContext};
+use weft_wire::{Baggage, Failure, IdMap, Incarnation, NodeId, Status, SubPath, Tid, TxContext};
 
 use crate::core::{self, late, CoreConfig, Durability, Input, Phase, TxCore};
 use crate::msg::{Answer, Outcome, TmRecord, TxMsg, Vote};
@@ -625,6 +625,9 @@ struct Entry<R> {
     outcome: Option<Outcome>,
     next_sub: HashMap<SubPath, u32>,
     baggage: Baggage,
+    /// Counts the changes of `baggage` (an entry added or given another
+    /// value): a call compares it to learn whether anything changed.
+    baggage_changes: u64,
     expecting_force: bool,
     wrote_durable: bool,
     committed_early: bool,
@@ -701,7 +704,10 @@ pub struct TmCore<R: ResourceRef> {
     now: Instant,
     seq: u64,
     births: u64,
-    txs: HashMap<Tid, Entry<R>>,
+    /// Keyed by ids cluster members allocate (a client's transaction is
+    /// only entered once its coordinator adopts the node), so hashed as ids:
+    /// every call under a transaction looks it up several times.
+    txs: IdMap<Tid, Entry<R>>,
     tombstones: Tombstones,
     registered: Vec<R>,
     recovered: HashMap<Tid, Recovered>,
@@ -767,7 +773,7 @@ impl<R: ResourceRef> TmCore<R> {
             now,
             seq: 1,
             births: 0,
-            txs: HashMap::new(),
+            txs: IdMap::default(),
             tombstones: Tombstones {
                 map: HashMap::new(),
                 order: VecDeque::new(),
@@ -950,6 +956,7 @@ impl<R: ResourceRef> TmCore<R> {
             outcome: None,
             next_sub: HashMap::new(),
             baggage: Baggage::default(),
+            baggage_changes: 0,
             expecting_force: false,
             wrote_durable: false,
             committed_early: false,
@@ -1099,8 +1106,8 @@ impl<R: ResourceRef> TmCore<R> {
             return Err(Self::not_active(tid, e));
         }
         e.active_calls += 1;
-        if !baggage.is_empty() {
-            merge_baggage(&mut e.baggage, baggage);
+        if !baggage.is_empty() && merge_baggage(&mut e.baggage, baggage) {
+            e.baggage_changes += 1;
         }
         if let Some(r) = resource {
             enlist(e, r);
@@ -1273,10 +1280,36 @@ impl<R: ResourceRef> TmCore<R> {
         self.txs.get(&tid).map(|e| e.baggage.clone())
     }
 
+    /// A mark of `tid`'s baggage here for a call that brought `brought`,
+    /// taken when it joined: `Some` when the baggage here is exactly
+    /// `brought` (every entry here came with the same value), `None` when it
+    /// holds more or `tid` is not live here.
+    pub fn baggage_mark(&self, tid: Tid, brought: &Baggage) -> Option<u64> {
+        let e = self.txs.get(&tid)?;
+        e.baggage
+            .0
+            .iter()
+            .all(|i| brought.get(&i.key) == Some(&i.value))
+            .then_some(e.baggage_changes)
+    }
+
+    /// What the response to a call marked `mark` (see
+    /// [`TmCore::baggage_mark`]) returns of `tid`'s baggage: nothing when
+    /// it is still what the call brought (the caller has it), else all of
+    /// it; nothing when `tid` is not live here.
+    pub fn baggage_since(&self, tid: Tid, mark: Option<u64>) -> Baggage {
+        match self.txs.get(&tid) {
+            Some(e) if mark != Some(e.baggage_changes) => e.baggage.clone(),
+            _ => Baggage::default(),
+        }
+    }
+
     /// Merges baggage returned by a call.
     pub fn merge_baggage(&mut self, tid: Tid, baggage: &Baggage) {
         if let Some(e) = self.txs.get_mut(&tid) {
-            merge_baggage(&mut e.baggage, baggage);
+            if merge_baggage(&mut e.baggage, baggage) {
+                e.baggage_changes += 1;
+            }
         }
     }
 
@@ -2524,11 +2557,25 @@ fn enlist<R: ResourceRef>(e: &mut Entry<R>, resource: R) {
     e.enlisted.push(resource);
 }
 
-/// Last writer wins per key.
-fn merge_baggage(into: &mut Baggage, from: &Baggage) {
+/// Last writer wins per key; true when an entry was added or given another
+/// value. An entry already here with the same value is left as it is (this
+/// runs on every call that carries baggage, and on its return).
+fn merge_baggage(into: &mut Baggage, from: &Baggage) -> bool {
+    let mut changed = false;
     for item in &from.0 {
-        into.set(item.key.clone(), item.value.clone());
+        match into.0.iter_mut().find(|i| i.key == item.key) {
+            Some(have) if have.value == item.value => {}
+            Some(have) => {
+                have.value = item.value.clone();
+                changed = true;
+            }
+            None => {
+                into.0.push(item.clone());
+                changed = true;
+            }
+        }
     }
+    changed
 }
 
 fn apply_sub_end<R: ResourceRef>(
