@@ -9,6 +9,8 @@
 //! over only when the kernel buffer is full. Receiving reads until a short
 //! read shows the socket drained and only then waits for readiness again, so
 //! a message costs one `recv`, not a second one that fails with EAGAIN.
+//! While a [`crate::BusyPoll`] waits, it may read and deliver in the reader
+//! task's place ([`poll`]), under the same lock, so frames keep their order.
 //!
 //! Every socket is bounded in time and space: both tasks of a link end when
 //! it closes (they hold the descriptor); frames before the handshake are at
