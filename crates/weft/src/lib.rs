@@ -30,8 +30,8 @@ pub use weft_rpc::{
     SubTransaction, Transaction,
 };
 pub use weft_transport::{
-    ChannelKind, ChannelSet, ClusterView, Endpoint, FaultPlan, FaultScope, InprocHub, LinkFaults,
-    MembershipEvent, NodeInfo, Seed, TlsConfig,
+    BusyPoll, ChannelKind, ChannelSet, ClusterView, Endpoint, FaultPlan, FaultScope, InprocHub,
+    LinkFaults, MembershipEvent, NodeInfo, Seed, TlsConfig,
 };
 pub use weft_tx::{Outcome, Resource, TmConfig, TxManager, TxStatus, Vote};
 pub use weft_wire::{

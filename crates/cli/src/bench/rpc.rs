@@ -25,8 +25,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use weft::{Address, ChannelSet, InprocHub, Node, Payload, Seed};
-use weft_transport::BusyPoll;
+use weft::{Address, BusyPoll, ChannelSet, InprocHub, Node, Payload, Seed};
 
 use super::{check, progress, r2, write_json, Latency};
 
