@@ -42,12 +42,27 @@ async fn pair(max_inbox_per_link: usize) -> (Endpoint, Endpoint) {
         .await
         .unwrap();
     b.set_request_handler(Arc::new(Service));
-    b.join(Seed::Tcp(a.listen_addr().unwrap())).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !(a.view().nodes.len() == 2 && b.view().nodes.len() == 2) {
-        assert!(Instant::now() < deadline, "the pair never formed");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    // Woken by every membership change on either side, then looks again.
+    let changed = Arc::new(Notify::new());
+    for ep in [&a, &b] {
+        let changed = changed.clone();
+        ep.on_membership(move |_| changed.notify_one());
     }
+    b.join(Seed::Tcp(a.listen_addr().unwrap())).await.unwrap();
+    let formed = async {
+        loop {
+            let next = changed.notified();
+            tokio::pin!(next);
+            next.as_mut().enable();
+            if a.view().nodes.len() == 2 && b.view().nodes.len() == 2 {
+                return;
+            }
+            next.await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), formed)
+        .await
+        .expect("the pair never formed");
     (a, b)
 }
 
