@@ -168,8 +168,6 @@ impl Default for KvConfig {
 /// Counters of the KV service.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KvStats {
-    /// Committed keys.
-    pub keys: usize,
     /// Committed changes held in memory until the next flush to the disk
     /// engine (0 in memory).
     pub overlay_keys: usize,
@@ -242,15 +240,23 @@ impl Kv {
         }
     }
 
-    /// Counters.
+    /// Committed keys, counted exactly. Not a counter: on the disk engine it
+    /// looks up each key changed since the last merge beneath the newer
+    /// changes, under the store's read lock, so commits at this store wait
+    /// for it (seconds with a million keys in memory). For audits and tests,
+    /// never for monitoring ([`Kv::stats`] is the cheap view).
+    ///
+    /// Fails with Internal when the disk engine cannot read.
+    pub fn key_count(&self) -> Result<u64, Failure> {
+        self.inner.store.read().key_count().map_err(plugin_failure)
+    }
+
+    /// Counters. Cheap: each is kept as it changes, and the store's lock is
+    /// held only to read them (monitoring may call this every second).
     pub fn stats(&self) -> KvStats {
         let store = self.inner.store.read();
         let locks = self.inner.locks.stats();
         KvStats {
-            keys: store.key_count().unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "kv: cannot count keys");
-                0
-            }) as usize,
             overlay_keys: store.disk().map_or(0, DiskStore::overlay_len),
             delta_tables: store.disk().map_or(0, |d| d.delta_stats().0),
             prepared: store.prepared_tids().len(),
