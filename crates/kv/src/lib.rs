@@ -14,6 +14,7 @@
 //! TooLarge, NoBuffer or BadRequest before it holds anything.
 
 pub mod api;
+mod background;
 mod bloom;
 pub mod disk;
 #[cfg(test)]

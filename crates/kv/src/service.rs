@@ -989,8 +989,9 @@ enum Checkpointed {
 }
 
 /// Starts a merge of the disk engine's deltas into its merged table when
-/// they passed their bound and none is running: in the background (on a
-/// blocking thread of the runtime when there is one, else here), on the
+/// they passed their bound and none is running: in the background (see
+/// [`crate::background`]: a thread of its own at a lower priority, one
+/// merge at a time in the process; here when there is no runtime), on the
 /// engine's other file, so checkpoints and spills go on meanwhile.
 fn maybe_merge(inner: &Arc<Inner>) {
     let wanted = inner
@@ -1008,11 +1009,9 @@ fn maybe_merge(inner: &Arc<Inner>) {
         }
         inner2.merging.store(false, Ordering::Release);
     };
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) => {
-            h.spawn_blocking(run);
-        }
-        Err(_) => run(),
+    if let Err(e) = crate::background::spawn_merge(run) {
+        tracing::warn!(error = %e, "kv: cannot start a merge thread; the deltas stay read as they are");
+        inner.merging.store(false, Ordering::Release);
     }
 }
 
