@@ -40,7 +40,8 @@
 //! [`Durability`] (the one way to create, rename and remove directory entries durably, and a
 //! power-loss simulation for tests), `meta`
 //! (`log.meta`), `recovery` (scan and cut), `state` (in-memory state and the group-commit
-//! rule), `flusher` (the writing thread), `log` (the public handle), `stats`, [`bench`](mod@bench),
+//! rule), `flusher` (the writing thread), [`metrics`] (kept metric handles and the exporting
+//! switch, shared with the layers above), `log` (the public handle), `stats`, [`bench`](mod@bench),
 //! [`Storage`] / [`StorageFile`] (the storage seam every file operation goes through; the real
 //! file system by default) and [`MemDisk`] (a simulated disk that loses unsynced writes at a
 //! crash, may tear the last one and fails syncs on request, for the whole-cluster simulator).
@@ -63,6 +64,7 @@ mod log;
 mod lsn;
 mod mem;
 mod meta;
+pub mod metrics;
 mod record;
 mod recovery;
 mod segment;

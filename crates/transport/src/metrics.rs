@@ -2,99 +2,26 @@
 //! facade; names and labels in docs/metrics.md): frames and bytes per channel
 //! and direction, links up and down per channel.
 //!
-//! Owns this layer's metric names and the process-wide switch that says an
-//! exporter is installed ([`set_exporting`]), which the layers above consult
-//! before building labels from run-time strings. Must never allocate, lock or
-//! build a label from a run-time string on a frame's path: every metric here
-//! has a fixed key (channel and direction are literals), and the per-frame
-//! ones are only touched while exporting, through handles kept after their
-//! first use: without an exporter a frame costs one relaxed load here. The
-//! layers above keep their hot-path metrics the same way
-//! ([`FixedCounter`], [`FixedHistogram`]).
-//!
-//! A handle is registered only while exporting, so it is the exporter's
-//! (unless recording is switched off at the very moment of its first use);
-//! turning recording off later ([`set_exporting`]) stops its updates at the
-//! same relaxed load.
+//! Owns this layer's metric names. The process-wide switch that says an
+//! exporter is installed ([`set_exporting`], [`exporting`]) and the kept
+//! handles for hot paths ([`FixedCounter`], [`FixedHistogram`]) are the log
+//! crate's (`weft_log::metrics`, the lowest crate that records metrics),
+//! re-exported here for the layers that see the transport. Must never
+//! allocate, lock or build a label from a run-time string on a frame's path:
+//! every metric here has a fixed key (channel and direction are literals),
+//! and the per-frame ones are only touched while exporting, through handles
+//! kept after their first use: without an exporter a frame costs one relaxed
+//! load here.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
-use metrics::{Counter, Histogram};
+use metrics::Counter;
 
 use weft_wire::Status;
 
 use crate::channel::ChannelKind;
 
-static EXPORTING: AtomicBool = AtomicBool::new(false);
-
-/// Says that a metrics exporter is installed in this process (or no longer
-/// is): metrics whose labels are built from run-time strings (a service's
-/// name, a status) are only recorded while it is on, so that a process
-/// without an exporter never pays for building them.
-pub fn set_exporting(on: bool) {
-    EXPORTING.store(on, Ordering::Relaxed);
-}
-
-/// True while a metrics exporter is installed (see [`set_exporting`]).
-pub fn exporting() -> bool {
-    EXPORTING.load(Ordering::Relaxed)
-}
-
-/// A counter with a fixed key (a name and no labels), for events on a hot
-/// path (a commit, a force): registered on first use while exporting and
-/// kept, so an update is one relaxed load and, while exporting, one atomic
-/// add, with no key hashed or looked up in the registry.
-///
-/// Declare it `static`: `static FORCES: FixedCounter = FixedCounter::new("...")`.
-pub struct FixedCounter {
-    name: &'static str,
-    handle: OnceLock<Counter>,
-}
-
-impl FixedCounter {
-    /// The counter `name`, not registered yet.
-    pub const fn new(name: &'static str) -> FixedCounter {
-        FixedCounter {
-            name,
-            handle: OnceLock::new(),
-        }
-    }
-
-    /// Adds `n`, if exporting.
-    pub fn increment(&self, n: u64) {
-        if exporting() {
-            self.handle
-                .get_or_init(|| metrics::counter!(self.name))
-                .increment(n);
-        }
-    }
-}
-
-/// A histogram with a fixed key, kept like [`FixedCounter`].
-pub struct FixedHistogram {
-    name: &'static str,
-    handle: OnceLock<Histogram>,
-}
-
-impl FixedHistogram {
-    /// The histogram `name`, not registered yet.
-    pub const fn new(name: &'static str) -> FixedHistogram {
-        FixedHistogram {
-            name,
-            handle: OnceLock::new(),
-        }
-    }
-
-    /// Records `value`, if exporting.
-    pub fn record(&self, value: f64) {
-        if exporting() {
-            self.handle
-                .get_or_init(|| metrics::histogram!(self.name))
-                .record(value);
-        }
-    }
-}
+pub use weft_log::metrics::{exporting, set_exporting, FixedCounter, FixedHistogram};
 
 /// One counter per channel, registered on first use while exporting and
 /// kept: a frame's update is then one relaxed atomic add, with no registry

@@ -12,12 +12,14 @@ pub mod core;
 pub mod manager;
 pub mod msg;
 pub mod node;
+#[cfg(feature = "otel")]
+pub mod otel;
 pub mod resource;
 
 pub use manager::{
     CallGuard, CrashHook, CrashPoint, Recovered, RecoveryReport, TmConfig, TmStats, TxManager,
     TxStatus,
 };
-pub use msg::{Answer, Outcome, TmRecord, TxMsg, Vote, TM_RECORD_TAG};
+pub use msg::{Answer, Outcome, TmRecord, TraceParent, TxMsg, Vote, TM_RECORD_TAG};
 pub use node::{Bookkeeping, NodeConfig, TmCore};
 pub use resource::{ParticipationClass, Resource};

@@ -178,6 +178,9 @@ struct TmInner {
     /// Wakes the timer when a transaction appears (it sleeps while none is
     /// live, so an idle node does not tick).
     work: Arc<Notify>,
+    /// Trace contexts of the transactions traced here (docs/tracing.md).
+    #[cfg(feature = "otel")]
+    traces: crate::otel::Traces,
 }
 
 /// The transaction manager of one node. Cheap to clone.
@@ -253,6 +256,29 @@ impl PortHandler for TxPort {
         };
         match payload.decode::<TxMsg>() {
             Ok(msg) => {
+                // A participant's prepare and outcome work is a span of the
+                // transaction's trace when it is traced (docs/tracing.md).
+                #[cfg(feature = "otel")]
+                if let Some(span) = inner.traces.on_receive(inner.node, &msg) {
+                    let tid = msg.tid();
+                    let event = Event::Msg {
+                        from: from.node,
+                        from_incarnation: from.incarnation,
+                        msg,
+                    };
+                    tokio::spawn(
+                        async move {
+                            inner.feed(event).await;
+                            // A Prepare for a transaction not live here (a
+                            // late one, a lost branch) leaves no context.
+                            if !inner.core.lock().is_live(tid) {
+                                inner.traces.forget(tid);
+                            }
+                        }
+                        .instrument(span),
+                    );
+                    return;
+                }
                 // Protocol steps may await resources; never block the inbox.
                 let event = Event::Msg {
                     from: from.node,
@@ -294,6 +320,8 @@ impl TxManager {
             ids: AtomicU64::new(1),
             intents: Mutex::new(HashMap::new()),
             work: Arc::new(Notify::new()),
+            #[cfg(feature = "otel")]
+            traces: crate::otel::Traces::default(),
             cfg,
         });
         endpoint.set_port_handler(Port::TX, Arc::new(TxPort(Arc::downgrade(&inner))));
@@ -565,6 +593,8 @@ impl TxManager {
             return result;
         }
         let span = tracing::debug_span!("commit", %tid);
+        #[cfg(feature = "otel")]
+        inner.traces.commit(&span, tid);
         inner.drive(out).instrument(span).await;
         match rx.await {
             Ok(result) => result,
@@ -1007,6 +1037,8 @@ impl TmInner {
                 }
                 Action::Forgotten { tid } => {
                     self.intents.lock().remove(&tid);
+                    #[cfg(feature = "otel")]
+                    self.traces.forget(tid);
                     None
                 }
             };
@@ -1030,6 +1062,8 @@ impl TmInner {
 
     fn send(&self, to: NodeId, msg: TxMsg) -> Option<Event> {
         let tid = msg.tid();
+        #[cfg(feature = "otel")]
+        let msg = self.traces.on_send(msg);
         match self.endpoint.send(to, Port::TX, Payload::local(msg)) {
             Ok(()) => None,
             Err(f) => {

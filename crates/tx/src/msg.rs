@@ -153,6 +153,33 @@ pub enum TxMsg {
         /// Transactions that must commit first, at the same coordinator.
         after: Vec<Tid>,
     },
+    /// [`TxMsg::Prepare`] with the sender's trace context: sent instead of
+    /// it only by a node that traces the transaction (the `otel` feature
+    /// with a tracing layer that records the transaction manager's spans),
+    /// so that the receiver's prepare and outcome work joins the trace.
+    /// Handled exactly as Prepare otherwise. docs/tracing.md.
+    TracedPrepare {
+        /// The transaction.
+        tid: Tid,
+        /// The receiver's incarnation as seen by the sender.
+        incarnation: Incarnation,
+        /// Sub-transactions that aborted (their effects must not commit).
+        aborted_subs: Vec<SubPath>,
+        /// The span the receiver's spans of this transaction are children of.
+        trace: TraceParent,
+    },
+}
+
+/// A W3C trace context (`traceparent`) in binary: the span that a message's
+/// receiver makes the parent of its own spans. 25 bytes on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TraceParent {
+    /// The trace id (16 raw bytes, big-endian as in the hex text; never all zero).
+    pub trace_id: [u8; 16],
+    /// The parent span's id (8 raw bytes; never all zero).
+    pub span_id: [u8; 8],
+    /// The trace flags (bit 0: sampled).
+    pub flags: u8,
 }
 
 impl TxMsg {
@@ -160,6 +187,7 @@ impl TxMsg {
     pub fn tid(&self) -> Tid {
         match self {
             TxMsg::Prepare { tid, .. }
+            | TxMsg::TracedPrepare { tid, .. }
             | TxMsg::Vote { tid, .. }
             | TxMsg::VoteAfter { tid, .. }
             | TxMsg::Decision { tid, .. }
@@ -208,3 +236,151 @@ pub enum TmRecord {
 
 /// The log tag of transaction-manager records.
 pub const TM_RECORD_TAG: weft_log::RecordTag = weft_log::RecordTag(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_tid() -> impl Strategy<Value = Tid> {
+        (any::<u32>(), any::<u32>(), any::<u64>()).prop_map(|(n, i, seq)| Tid {
+            node: NodeId(n),
+            incarnation: Incarnation(i),
+            seq,
+        })
+    }
+
+    fn arb_subs() -> impl Strategy<Value = Vec<SubPath>> {
+        prop::collection::vec(
+            prop::collection::vec(any::<u32>(), 0..4).prop_map(SubPath),
+            0..3,
+        )
+    }
+
+    fn arb_vote() -> impl Strategy<Value = Vote> {
+        prop_oneof![
+            ".{0,8}".prop_map(Vote::No),
+            Just(Vote::ReadOnly),
+            any::<bool>().prop_map(|durable| Vote::Yes { durable }),
+        ]
+    }
+
+    fn arb_msg() -> impl Strategy<Value = TxMsg> {
+        prop_oneof![
+            (arb_tid(), any::<u32>(), arb_subs()).prop_map(|(tid, i, aborted_subs)| {
+                TxMsg::Prepare {
+                    tid,
+                    incarnation: Incarnation(i),
+                    aborted_subs,
+                }
+            }),
+            (arb_tid(), arb_vote()).prop_map(|(tid, vote)| TxMsg::Vote { tid, vote }),
+            (arb_tid(), any::<bool>()).prop_map(|(tid, commit)| TxMsg::Decision { tid, commit }),
+            arb_tid().prop_map(|tid| TxMsg::Ack { tid }),
+            (arb_tid(), any::<u16>(), ".{0,8}").prop_map(|(tid, c, reason)| TxMsg::Abort {
+                tid,
+                status: Status::from_code(c),
+                reason,
+            }),
+            (
+                arb_tid(),
+                arb_vote(),
+                prop::collection::vec(arb_tid(), 0..3)
+            )
+                .prop_map(|(tid, vote, after)| TxMsg::VoteAfter { tid, vote, after }),
+            (
+                arb_tid(),
+                any::<u32>(),
+                arb_subs(),
+                any::<[u8; 16]>(),
+                any::<[u8; 8]>(),
+                any::<u8>()
+            )
+                .prop_map(|(tid, i, aborted_subs, trace_id, span_id, flags)| {
+                    TxMsg::TracedPrepare {
+                        tid,
+                        incarnation: Incarnation(i),
+                        aborted_subs,
+                        trace: TraceParent {
+                            trace_id,
+                            span_id,
+                            flags,
+                        },
+                    }
+                }),
+        ]
+    }
+
+    proptest! {
+        /// Every message decodes to itself; a TracedPrepare is its Prepare's
+        /// encoding with another variant index and 25 bytes of trace context
+        /// after it; every strict prefix of an encoding is refused.
+        #[test]
+        fn messages_round_trip(msg in arb_msg()) {
+            let bytes = postcard::to_allocvec(&msg).unwrap();
+            prop_assert_eq!(postcard::from_bytes::<TxMsg>(&bytes).unwrap(), msg.clone());
+            for cut in 0..bytes.len() {
+                prop_assert!(postcard::from_bytes::<TxMsg>(&bytes[..cut]).is_err());
+            }
+            if let TxMsg::TracedPrepare { tid, incarnation, aborted_subs, trace } = msg {
+                let plain = postcard::to_allocvec(&TxMsg::Prepare { tid, incarnation, aborted_subs }).unwrap();
+                prop_assert_eq!(plain[0], 0);
+                prop_assert_eq!(bytes[0], 11);
+                prop_assert_eq!(&bytes[1..plain.len()], &plain[1..]);
+                prop_assert_eq!(&bytes[plain.len()..plain.len() + 16], &trace.trace_id[..]);
+                prop_assert_eq!(&bytes[plain.len() + 16..plain.len() + 24], &trace.span_id[..]);
+                prop_assert_eq!(bytes[plain.len() + 24], trace.flags);
+                prop_assert_eq!(bytes.len(), plain.len() + 25);
+            }
+        }
+    }
+
+    fn t1_1_5() -> Tid {
+        Tid {
+            node: NodeId(1),
+            incarnation: Incarnation(1),
+            seq: 5,
+        }
+    }
+
+    /// The encodings docs/wire.md §11 gives: a Prepare as every earlier
+    /// version sends it still decodes, and the TracedPrepare example is
+    /// byte-exact.
+    #[test]
+    fn the_documented_encodings_hold() {
+        let prepare = TxMsg::Prepare {
+            tid: t1_1_5(),
+            incarnation: Incarnation(2),
+            aborted_subs: vec![SubPath(vec![1])],
+        };
+        let old = [0x00, 0x01, 0x01, 0x05, 0x02, 0x01, 0x01, 0x01];
+        assert_eq!(postcard::from_bytes::<TxMsg>(&old).unwrap(), prepare);
+        assert_eq!(postcard::to_allocvec(&prepare).unwrap(), old);
+        let traced = TxMsg::TracedPrepare {
+            tid: t1_1_5(),
+            incarnation: Incarnation(2),
+            aborted_subs: vec![],
+            trace: TraceParent {
+                trace_id: [
+                    0x0a, 0xf7, 0x65, 0x19, 0x16, 0xcd, 0x43, 0xdd, 0x84, 0x48, 0xeb, 0x21, 0x1c,
+                    0x80, 0x31, 0x9c,
+                ],
+                span_id: [0xb7, 0xad, 0x6b, 0x71, 0x69, 0x20, 0x33, 0x31],
+                flags: 1,
+            },
+        };
+        let golden = [
+            0x0b, 0x01, 0x01, 0x05, 0x02, 0x00, // variant 11, tid, incarnation, no subs
+            0x0a, 0xf7, 0x65, 0x19, 0x16, 0xcd, 0x43, 0xdd, 0x84, 0x48, 0xeb, 0x21, 0x1c, 0x80,
+            0x31, 0x9c, // trace id
+            0xb7, 0xad, 0x6b, 0x71, 0x69, 0x20, 0x33, 0x31, // span id
+            0x01, // flags
+        ];
+        assert_eq!(postcard::to_allocvec(&traced).unwrap(), golden);
+        assert_eq!(postcard::from_bytes::<TxMsg>(&golden).unwrap(), traced);
+        // A variant past the last is refused, never mistaken for another.
+        let mut unknown = golden;
+        unknown[0] = 12;
+        assert!(postcard::from_bytes::<TxMsg>(&unknown).is_err());
+    }
+}

@@ -70,8 +70,9 @@ async fn the_spans_of_a_three_node_transaction_share_one_trace() {
         put(&tx, 3, &format!("b{round}")).await;
         tx.commit().await.unwrap();
     }
-    // A serve span ends as its response leaves: wait for both nodes' spans
-    // of both transactions.
+    // A serve span ends as its response leaves, a participant's outcome span
+    // after the commit returned: wait for both nodes' spans of both
+    // transactions.
     let spans_of = |tid: &str| -> Vec<SpanData> {
         let _ = provider.force_flush();
         exporter
@@ -83,12 +84,15 @@ async fn the_spans_of_a_three_node_transaction_share_one_trace() {
     };
     wait_for("every node's spans", Duration::from_secs(20), || {
         tids.iter().all(|t| {
-            let nodes: HashSet<String> = spans_of(t)
-                .iter()
-                .filter(|s| s.name == "serve")
-                .filter_map(|s| attr(s, "node"))
-                .collect();
-            nodes.contains("2") && nodes.contains("3")
+            let spans = spans_of(t);
+            ["serve", "tx.prepare", "tx.outcome"].iter().all(|name| {
+                let nodes: HashSet<String> = spans
+                    .iter()
+                    .filter(|s| s.name == *name)
+                    .filter_map(|s| attr(s, "node"))
+                    .collect();
+                nodes.contains("2") && nodes.contains("3")
+            })
         })
     })
     .await;
@@ -107,8 +111,16 @@ async fn the_spans_of_a_three_node_transaction_share_one_trace() {
             "{tid}: spans in {} traces: {names:?}",
             ids.len()
         );
-        // Calls on node 1, serves on nodes 2 and 3, the commit: all there.
-        for want in ["call", "serve", "tx.commit"] {
+        // Calls on node 1, serves on nodes 2 and 3, the commit, the
+        // participants' prepare and outcome: all there, in the one trace.
+        for want in [
+            "call",
+            "serve",
+            "tx.commit",
+            "commit",
+            "tx.prepare",
+            "tx.outcome",
+        ] {
             assert!(
                 names.iter().any(|(n, _)| n == want),
                 "{tid}: no {want}: {names:?}"
@@ -125,6 +137,42 @@ async fn the_spans_of_a_three_node_transaction_share_one_trace() {
                 Some("call"),
                 "{tid}: a serve span's parent is not a call span"
             );
+        }
+        // A participant's prepare and outcome spans are children of the
+        // coordinator's `commit` span (the Prepare carried it), which is the
+        // child of the application's `tx.commit`.
+        let commit = spans
+            .iter()
+            .find(|s| s.name == "commit")
+            .expect("the coordinator's commit span");
+        assert_eq!(attr(commit, "tid").as_deref(), Some(tid.as_str()));
+        assert_eq!(
+            by_id.get(&commit.parent_span_id).map(String::as_str),
+            Some("tx.commit"),
+            "{tid}: the commit span's parent is not tx.commit"
+        );
+        for node in ["2", "3"] {
+            for name in ["tx.prepare", "tx.outcome"] {
+                let mine: Vec<_> = spans
+                    .iter()
+                    .filter(|s| s.name == name && attr(s, "node").as_deref() == Some(node))
+                    .collect();
+                assert_eq!(
+                    mine.len(),
+                    1,
+                    "{tid}: node {node}'s {name} spans: {names:?}"
+                );
+                assert_eq!(
+                    mine[0].parent_span_id,
+                    commit.span_context.span_id(),
+                    "{tid}: node {node}'s {name} is not a child of the coordinator's commit"
+                );
+            }
+            let outcome = spans
+                .iter()
+                .find(|s| s.name == "tx.outcome" && attr(s, "node").as_deref() == Some(node))
+                .unwrap();
+            assert_eq!(attr(outcome, "outcome").as_deref(), Some("commit"));
         }
         traces.push(*ids.iter().next().unwrap());
     }

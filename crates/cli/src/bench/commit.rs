@@ -45,8 +45,8 @@ pub struct CommitArgs {
     /// the log's default when absent.
     #[arg(long, value_parser = parse_duration)]
     pub group_commit_delay: Option<Duration>,
-    /// Rounds of the metrics comparison at the largest --clients: each
-    /// round runs once with metrics off and once with the Prometheus
+    /// Rounds of the metrics comparison at the largest --clients (after one
+    /// unmeasured warm-up run): each round runs once with metrics off and once with the Prometheus
     /// recorder on and `/metrics` scraped every second, off first in odd
     /// rounds and on first in even ones (0: skip it).
     #[arg(long, default_value_t = 2)]
@@ -111,8 +111,8 @@ struct MetricsComparison {
     series: usize,
 }
 
-/// Runs `rounds` pairs of runs at `clients`, metrics off and on in
-/// alternating order (the recorder is installed once; off, every update is
+/// Runs one unmeasured warm-up run, then `rounds` pairs of runs at
+/// `clients`, metrics off and on in alternating order (the recorder is installed once; off, every update is
 /// a no-op), scraping every second while on.
 async fn compare_metrics(
     cluster: &Cluster,
@@ -134,6 +134,14 @@ async fn compare_metrics(
         scrape_bytes: 0,
         series: 0,
     };
+    // One unmeasured run first: the first write run after the read-only
+    // one was measured faster than every later run (the disk had been idle),
+    // which always favoured the side that runs first (metrics off).
+    pb.set_message(format!(
+        "metrics comparison: {clients} clients, warm-up run (not counted)"
+    ));
+    weft::metrics::set_recording(false);
+    let _ = run_clients(cluster, clients, dur, false).await;
     for round in 1..=rounds {
         // Odd rounds run metrics off first, even rounds on first (off, on,
         // on, off, ...): a cluster whose throughput drifts during the run

@@ -1625,6 +1625,11 @@ impl<R: ResourceRef> TmCore<R> {
                 incarnation,
                 aborted_subs,
                 ..
+            }
+            | TxMsg::TracedPrepare {
+                incarnation,
+                aborted_subs,
+                ..
             } => {
                 if !live
                     && incarnation != self.incarnation
