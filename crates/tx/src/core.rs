@@ -58,6 +58,10 @@ pub enum Input {
         from: NodeId,
         /// Sub-transactions known to have aborted.
         aborted_subs: Vec<SubPath>,
+        /// The coordinator hands the decision to this branch (see
+        /// [`TxCore::with_delegation`]); the driver clears it when a local
+        /// resource must not be committed by a decision taken here.
+        one_phase: bool,
     },
     /// The local resources voted.
     LocalVote(Vote),
@@ -178,6 +182,19 @@ pub struct TxCore {
     cfg: CoreConfig,
     last_sent: Option<Instant>,
     wait: Duration,
+    /// Coordinator: may hand the decision to a single child.
+    delegate: bool,
+    /// Coordinator: waits for its local vote before handing the decision on.
+    delegating: bool,
+    /// Coordinator: handed the decision to its only child (`voter`); in
+    /// doubt until that child tells the outcome.
+    delegated: bool,
+    /// Participant: its coordinator asked it to decide.
+    one_phase: bool,
+    /// Participant deciding the outcome: its forced record is the commit
+    /// record, and its voter is told the decision and must acknowledge it.
+    decider: bool,
+    voter_acked: bool,
 }
 
 impl TxCore {
@@ -280,7 +297,32 @@ impl TxCore {
             } else {
                 cfg.orphan_check
             },
+            delegate: false,
+            delegating: false,
+            delegated: false,
+            one_phase: false,
+            decider: false,
+            voter_acked: false,
         }
+    }
+
+    /// Coordinator: when the transaction has exactly one child and this
+    /// node's own resources vote without a durable effect (`Yes { durable:
+    /// false }` or read-only), hand the decision to that child
+    /// ("one-phase" prepare): it forces its commit record (the only force of
+    /// the transaction) and sends the decision up; this node records
+    /// nothing, waits for the decision like a prepared participant, and
+    /// commits its own resources only once it arrives. A child that does not
+    /// take the decision votes as usual and this node decides as usual.
+    pub fn with_delegation(mut self, on: bool) -> Self {
+        self.delegate = on && self.coordinator;
+        self
+    }
+
+    /// True at a participant that took its coordinator's decision: its
+    /// forced record is a commit record.
+    pub fn is_decider(&self) -> bool {
+        self.decider
     }
 
     /// The transaction.
@@ -408,12 +450,25 @@ impl TxCore {
         match input {
             Input::Commit => self.on_commit(&mut out),
             Input::Abort(reason) => self.on_abort_request(reason, &mut out),
-            Input::Prepare { from, aborted_subs } => self.on_prepare(from, aborted_subs, &mut out),
+            Input::Prepare {
+                from,
+                aborted_subs,
+                one_phase,
+            } => self.on_prepare(from, aborted_subs, one_phase, &mut out),
             Input::LocalVote(v) => {
                 if self.phase == Phase::Preparing && self.local.is_none() {
-                    self.local = Some(v);
-                    self.check_votes(&mut out);
+                    if self.delegating {
+                        self.on_local_vote_delegating(v, &mut out);
+                    } else {
+                        self.local = Some(v);
+                        self.check_votes(&mut out);
+                    }
                 }
+            }
+            Input::Vote { from, vote }
+                if self.delegated && self.phase == Phase::Prepared && Some(from) == self.voter =>
+            {
+                self.on_delegate_vote(from, vote, &mut out)
             }
             Input::Vote { from, vote } => self.on_vote(from, vote, &mut out),
             Input::Forced => self.on_forced(&mut out),
@@ -426,6 +481,9 @@ impl TxCore {
                 if self.phase == Phase::Committing {
                     if let Some(c) = self.children.get_mut(&from) {
                         c.acked = true;
+                    }
+                    if self.decider && Some(from) == self.voter {
+                        self.voter_acked = true;
                     }
                     self.check_acks(&mut out);
                 }
@@ -466,7 +524,83 @@ impl TxCore {
         out.push(Action::PrepareLocal {
             aborted_subs: self.aborted_subs.clone(),
         });
+        if self.delegate && self.children.len() == 1 {
+            // The local vote decides whether the child may decide.
+            self.delegating = true;
+            self.last_sent = None;
+            return;
+        }
         self.send_prepares(None, out);
+    }
+
+    /// The coordinator's local vote while it may delegate (see
+    /// [`TxCore::with_delegation`]).
+    fn on_local_vote_delegating(&mut self, v: Vote, out: &mut Vec<Action>) {
+        self.delegating = false;
+        match v {
+            Vote::No(reason) => self.abort_here(reason, None, out),
+            Vote::Yes { durable: true } => {
+                // Durable state here too: the usual protocol.
+                self.local = Some(v);
+                self.send_prepares(None, out);
+                self.check_votes(out);
+            }
+            Vote::Yes { durable: false } | Vote::ReadOnly => {
+                self.local = Some(v);
+                let Some(child) = self.children.keys().next().copied() else {
+                    self.check_votes(out);
+                    return;
+                };
+                self.delegated = true;
+                self.voter = Some(child);
+                self.phase = Phase::Prepared;
+                self.send_one_phase_prepare(out);
+                self.last_sent = None;
+                self.wait = self.cfg.retry;
+            }
+        }
+    }
+
+    fn send_one_phase_prepare(&self, out: &mut Vec<Action>) {
+        let Some(node) = self.voter else { return };
+        let Some(child) = self.children.get(&node) else {
+            return;
+        };
+        out.push(Action::Send(
+            node,
+            TxMsg::Prepare {
+                tid: self.tid,
+                incarnation: child.incarnation,
+                aborted_subs: self.aborted_subs.clone(),
+                one_phase: true,
+            },
+        ));
+    }
+
+    /// A vote from the child the decision was handed to: it did not take
+    /// the decision (Yes: decide as usual, forcing the commit record here),
+    /// has nothing to commit (read-only), or refused.
+    fn on_delegate_vote(&mut self, from: NodeId, vote: Vote, out: &mut Vec<Action>) {
+        match vote {
+            Vote::No(reason) => {
+                self.abort_here(format!("node {from} voted no: {reason}"), None, out)
+            }
+            Vote::ReadOnly => {
+                self.children.remove(&from);
+                self.delegated = false;
+                self.voter = None;
+                self.commit_here(out);
+            }
+            Vote::Yes { durable } => {
+                self.delegated = false;
+                self.voter = None;
+                self.phase = Phase::Preparing;
+                if let Some(c) = self.children.get_mut(&from) {
+                    c.vote = Some(Vote::Yes { durable });
+                }
+                self.check_votes(out);
+            }
+        }
     }
 
     fn send_prepares(&mut self, skip: Option<NodeId>, out: &mut Vec<Action>) {
@@ -484,6 +618,7 @@ impl TxCore {
                         tid: self.tid,
                         incarnation: child.incarnation,
                         aborted_subs: subs.clone(),
+                        one_phase: false,
                     },
                 ));
             }
@@ -492,7 +627,13 @@ impl TxCore {
         self.wait = self.cfg.retry;
     }
 
-    fn on_prepare(&mut self, from: NodeId, aborted_subs: Vec<SubPath>, out: &mut Vec<Action>) {
+    fn on_prepare(
+        &mut self,
+        from: NodeId,
+        aborted_subs: Vec<SubPath>,
+        one_phase: bool,
+        out: &mut Vec<Action>,
+    ) {
         if self.coordinator {
             // A cycle in the tree reached the coordinator: it answers for
             // itself through its own vote collection.
@@ -508,6 +649,10 @@ impl TxCore {
         match &self.phase {
             Phase::Active => {
                 self.voter = Some(from);
+                // Only the coordinator hands its decision down (its
+                // incarnation is the transaction's: the decider's commit
+                // record names it as a child to tell).
+                self.one_phase = one_phase && from == self.tid.node;
                 for s in aborted_subs {
                     self.note_aborted_sub(s);
                 }
@@ -620,6 +765,26 @@ impl TxCore {
                     } else {
                         self.commit_here(out);
                     }
+                } else if self.one_phase {
+                    // Deciding here: the commit record (naming the
+                    // coordinator, which must hear the decision) is the one
+                    // force of the transaction.
+                    let voter = self.voter.expect("a participant prepares for a voter");
+                    self.decider = true;
+                    if durable {
+                        self.phase = Phase::Forcing;
+                        let mut children = yes;
+                        children.push((voter, self.tid.incarnation));
+                        out.push(Action::Log(
+                            TmRecord::Committed {
+                                tid: self.tid,
+                                children,
+                            },
+                            Durability::Force,
+                        ));
+                    } else {
+                        self.commit_here(out);
+                    }
                 } else {
                     let voter = self.voter.expect("a participant prepares for a voter");
                     if durable {
@@ -654,7 +819,7 @@ impl TxCore {
             return;
         }
         self.own_record_durable = true;
-        if self.coordinator {
+        if self.coordinator || self.decider {
             self.commit_here(out);
         } else {
             let voter = self.voter.expect("a participant prepares for a voter");
@@ -677,6 +842,13 @@ impl TxCore {
         // local one; then the local resources apply it; only then does the
         // creator's commit return (a transaction it begins next sees it).
         self.phase = Phase::Committing;
+        if self.delegated {
+            // The child decided: it needs our ack, not the decision.
+            self.delegated = false;
+            if let Some(v) = self.voter {
+                self.children.remove(&v);
+            }
+        }
         for node in self.children.keys() {
             out.push(Action::Send(
                 *node,
@@ -690,6 +862,18 @@ impl TxCore {
         if self.coordinator {
             out.push(Action::Finished(Outcome::Committed));
             // The forced commit record (if any) is the coordinator's own.
+            self.own_record_durable = true;
+        } else if self.decider {
+            // The decision goes up; the record (if any) was forced.
+            if let Some(v) = self.voter {
+                out.push(Action::Send(
+                    v,
+                    TxMsg::Decision {
+                        tid: self.tid,
+                        commit: true,
+                    },
+                ));
+            }
             self.own_record_durable = true;
         } else if self.durable_here {
             // Participants record the outcome lazily; the ack waits for it.
@@ -716,7 +900,11 @@ impl TxCore {
         if self.children.values().any(|c| !c.acked) {
             return;
         }
-        if let Some(v) = self.voter {
+        if self.decider {
+            if !self.voter_acked {
+                return;
+            }
+        } else if let Some(v) = self.voter {
             out.push(Action::Send(v, TxMsg::Ack { tid: self.tid }));
         }
         if self.durable_here {
@@ -743,8 +931,11 @@ impl TxCore {
     fn on_abort_request(&mut self, reason: String, out: &mut Vec<Action>) {
         match self.phase {
             Phase::Active | Phase::Preparing => self.abort_here(reason, None, out),
-            // A participant that has not voted yet may still abort.
-            Phase::Forcing if !self.coordinator => self.abort_here(reason, None, out),
+            // A participant that has not voted yet may still abort (a
+            // decider forcing its commit record may not).
+            Phase::Forcing if !self.coordinator && !self.decider => {
+                self.abort_here(reason, None, out)
+            }
             _ => {} // decided or in doubt: not ours to abort any more
         }
     }
@@ -765,7 +956,9 @@ impl TxCore {
             Some(from) == self.voter || (self.voter.is_none() && Some(from) == self.parent);
         match self.phase {
             Phase::Active | Phase::Preparing => self.abort_with(status, reason, Some(from), out),
-            Phase::Forcing if !self.coordinator => self.abort_with(status, reason, Some(from), out),
+            Phase::Forcing if !self.coordinator && !self.decider => {
+                self.abort_with(status, reason, Some(from), out)
+            }
             // In doubt: only the node we voted to decides.
             Phase::Prepared if from_above => self.abort_with(status, reason, Some(from), out),
             _ => {}
@@ -797,7 +990,7 @@ impl TxCore {
                     self.abort_with(status, reason, Some(node), out)
                 }
             }
-            Phase::Forcing if !self.coordinator && is_parent => {
+            Phase::Forcing if !self.coordinator && !self.decider && is_parent => {
                 let reason = format!("node {node} died during prepare");
                 self.abort_with(status, reason, Some(node), out)
             }
@@ -832,6 +1025,12 @@ impl TxCore {
                     TxMsg::Inquire { tid: self.tid },
                 ));
             }
+            Phase::Preparing if self.delegating => {} // the local vote comes
+            Phase::Prepared if self.delegated => {
+                // Whatever the child answers settles it: the decision, an
+                // abort, or a vote (see `on_delegate_vote`).
+                self.send_one_phase_prepare(out);
+            }
             Phase::Preparing => {
                 let subs = self.aborted_subs.clone();
                 for (node, c) in &self.children {
@@ -842,6 +1041,7 @@ impl TxCore {
                                 tid: self.tid,
                                 incarnation: c.incarnation,
                                 aborted_subs: subs.clone(),
+                                one_phase: false,
                             },
                         ));
                     }
@@ -863,6 +1063,15 @@ impl TxCore {
                             },
                         ));
                     }
+                }
+                if let (true, false, Some(v)) = (self.decider, self.voter_acked, self.voter) {
+                    out.push(Action::Send(
+                        v,
+                        TxMsg::Decision {
+                            tid: self.tid,
+                            commit: true,
+                        },
+                    ));
                 }
                 // Phase two may be complete already (a branch recovered
                 // committed, with nobody left to tell): finish it.

@@ -67,6 +67,14 @@ pub struct TmConfig {
     /// read-only outcomes wait for the early-released records they may
     /// depend on. On by default.
     pub early_lock_release: bool,
+    /// One-phase delegation: a coordinator whose own resources hold nothing
+    /// durable and that called exactly one other node hands that node the
+    /// decision (it forces its commit record instead of a prepare record;
+    /// one force per transaction instead of two), when all of that node's
+    /// resources allow it ([`Resource::may_decide_alone`]). The
+    /// coordinator is then in doubt until the decision arrives: if that
+    /// node dies, its commit waits for its recovery. Off by default.
+    pub delegate_commit: bool,
     /// Test hook: stop transactions at this point and call the hook.
     pub crash_at: Option<(CrashPoint, CrashHook)>,
 }
@@ -82,6 +90,7 @@ impl std::fmt::Debug for TmConfig {
             .field("max_live", &self.max_live)
             .field("enlist_timeout", &self.enlist_timeout)
             .field("early_lock_release", &self.early_lock_release)
+            .field("delegate_commit", &self.delegate_commit)
             .field("crash_at", &self.crash_at.as_ref().map(|(p, _)| p))
             .finish()
     }
@@ -99,6 +108,7 @@ impl Default for TmConfig {
             max_live: node.max_live,
             enlist_timeout: node.enlist_timeout,
             early_lock_release: node.early_lock_release,
+            delegate_commit: node.delegate_commit,
             crash_at: None,
         }
     }
@@ -115,6 +125,7 @@ impl TmConfig {
             max_live: self.max_live.max(1),
             enlist_timeout: self.enlist_timeout,
             early_lock_release: self.early_lock_release,
+            delegate_commit: self.delegate_commit,
         }
     }
 }
@@ -128,6 +139,7 @@ pub struct Enlisted {
     /// Asked once, at enlistment: the core consults it under its lock,
     /// where no resource code may run.
     commits_from_this_log: bool,
+    may_decide_alone: bool,
 }
 
 impl std::fmt::Debug for Enlisted {
@@ -146,6 +158,9 @@ impl ResourceRef for Enlisted {
     fn commits_from_this_log(&self) -> bool {
         self.commits_from_this_log
     }
+    fn may_decide_alone(&self) -> bool {
+        self.may_decide_alone
+    }
     fn same(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.resource, &other.resource)
     }
@@ -153,10 +168,12 @@ impl ResourceRef for Enlisted {
 
 fn handle(resource: Arc<dyn Resource>, class: ParticipationClass) -> Enlisted {
     let commits_from_this_log = resource.commits_from_this_log();
+    let may_decide_alone = resource.may_decide_alone();
     Enlisted {
         resource,
         class,
         commits_from_this_log,
+        may_decide_alone,
     }
 }
 

@@ -69,6 +69,11 @@ pub enum TxMsg {
         incarnation: Incarnation,
         /// Sub-transactions that aborted (their effects must not commit).
         aborted_subs: Vec<SubPath>,
+        /// Sent by a coordinator with no durable state of its own to its
+        /// only child: the receiver may decide the outcome itself (force a
+        /// commit record instead of a prepare record, commit, and send the
+        /// decision up as `Decision`), or vote as usual.
+        one_phase: bool,
     },
     /// The answer to Prepare.
     Vote {

@@ -57,6 +57,16 @@ pub trait Resource: Send + Sync + 'static {
         false
     }
 
+    /// True when this node may decide a transaction's commit itself, as the
+    /// single participant its coordinator hands the decision to
+    /// (`TmConfig::delegate_commit`): the resource's `vote_barrier` and
+    /// `undecided_dependencies` never wait or fail (a decider does not call
+    /// them), and its `commit` may follow a commit record forced here.
+    /// Default false: the node then votes as usual.
+    fn may_decide_alone(&self) -> bool {
+        false
+    }
+
     /// Phase one (two-phase class): make the branch of `tid` ready to commit.
     /// Append whatever redo information recovery will need to `log` (do not
     /// force: the transaction manager forces its prepare record, which covers

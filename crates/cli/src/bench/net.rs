@@ -70,6 +70,11 @@ pub struct NetArgs {
     /// Seed of the abort choice (printed; random when absent).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Let the 2CA and TLA server decide as usual (two forced records per
+    /// transaction: the logger's prepare record and the server's commit
+    /// record) instead of handing the decision to its logger (one force).
+    #[arg(long)]
+    pub no_delegate: bool,
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -201,6 +206,9 @@ struct RunResult {
     times_ms: Vec<f64>,
     compute_ms: f64,
     control_ms: f64,
+    commit_ms: f64,
+    /// Forced log records per transaction, all nodes of the path.
+    forces_per_tx: f64,
 }
 
 struct Plan {
@@ -239,6 +247,8 @@ async fn peer(entry: SocketAddr, plan: &Plan) -> anyhow::Result<(Vec<f64>, Durat
 struct Spent {
     compute: Duration,
     control: Duration,
+    /// The part of `control` spent in commits (the rest: starts, restarts).
+    commit: Duration,
 }
 
 async fn compute(d: Duration, spent: &mut Duration) {
@@ -285,6 +295,7 @@ async fn run_sma(node: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<Sp
         let t = Instant::now();
         tx.commit().await?;
         spent.control += t.elapsed();
+        spent.commit += t.elapsed();
     }
     s.shutdown().await;
     Ok(spent)
@@ -322,6 +333,7 @@ async fn run_tca(server: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<
         let t = Instant::now();
         s.commit(tx).await?;
         spent.control += t.elapsed();
+        spent.commit += t.elapsed();
     }
     s.shutdown().await;
     Ok(spent)
@@ -359,6 +371,7 @@ async fn run_tla(server: &Node, l: &TcpListener, plan: &Plan) -> anyhow::Result<
         let t = Instant::now();
         s.commit(tx).await?;
         spent.control += t.elapsed();
+        spent.commit += t.elapsed();
     }
     s.shutdown().await;
     Ok(spent)
@@ -373,7 +386,7 @@ const TLA_NODE: u32 = 4;
 struct TlaLab {
     ns: String,
     server_tun: String,
-    _logger: Node,
+    logger: Node,
     /// Where the server accepts peers (its address on the TUN's network).
     listener: TcpListener,
 }
@@ -460,7 +473,7 @@ impl TlaLab {
         Ok(TlaLab {
             ns,
             server_tun: st,
-            _logger: node,
+            logger: node,
             listener,
         })
     }
@@ -490,7 +503,7 @@ struct Setup {
     tla: Option<TlaLab>,
 }
 
-async fn setup(with_tla: bool) -> anyhow::Result<Setup> {
+async fn setup(with_tla: bool, delegate: bool) -> anyhow::Result<Setup> {
     let dir = tempfile::tempdir()?;
     let local: SocketAddr = "127.0.0.1:0".parse()?;
     let sma = Node::builder(3)
@@ -505,8 +518,14 @@ async fn setup(with_tla: bool) -> anyhow::Result<Setup> {
         .plugin(Arc::new(proxy.clone()))
         .start()
         .await?;
+    // The server holds nothing durable: with delegation its one logger
+    // (proxy or TLA) decides, and the commit costs one force, not two.
     let server = Node::builder(2)
         .listen(local)
+        .tm_config(weft::TmConfig {
+            delegate_commit: delegate,
+            ..Default::default()
+        })
         .data_dir(dir.path().join("server"))
         .join(Seed::Tcp(proxy_node.addr().context("proxy node address")?))
         .start()
@@ -552,13 +571,25 @@ async fn one_run(
             (Arch::Tla, None) => bail!("tla was not set up"),
         }
     };
+    let nodes: Vec<&Node> = match (arch, &st.tla) {
+        (Arch::Sma, _) => vec![&st.sma],
+        (Arch::Tca, _) => vec![&st.server, &st.proxy_node],
+        (Arch::Tla, Some(t)) => vec![&st.server, &t.logger],
+        _ => Vec::new(),
+    };
+    let forced =
+        |nodes: &[&Node]| -> u64 { nodes.iter().map(|n| n.tm().stats().forced_records).sum() };
+    let forced_before = forced(&nodes);
     let (srv, peer) = tokio::join!(server, peer(entry, plan));
+    let forces = forced(&nodes) - forced_before;
     let spent = srv.with_context(|| format!("{} server", arch.key()))?;
     let (times, total) = peer.with_context(|| format!("{} peer", arch.key()))?;
     Ok(RunResult {
         tps: plan.txs as f64 / total.as_secs_f64(),
         compute_ms: spent.compute.as_secs_f64() * 1e3 / plan.txs as f64,
         control_ms: spent.control.as_secs_f64() * 1e3 / plan.txs as f64,
+        forces_per_tx: forces as f64 / plan.txs as f64,
+        commit_ms: spent.commit.as_secs_f64() * 1e3 / plan.txs as f64,
         times_ms: times,
     })
 }
@@ -635,7 +666,7 @@ pub async fn run(a: NetArgs) -> anyhow::Result<()> {
         a.compute_ms / 2.0,
         if a.bandwidth_mbps > 0.0 { a.bandwidth_mbps.to_string() } else { "unlimited".into() },
     );
-    let st = setup(archs.contains(&Arch::Tla)).await?;
+    let st = setup(archs.contains(&Arch::Tla), !a.no_delegate).await?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let compute = Duration::from_secs_f64(a.compute_ms / 1e3);
     let resp = a.response_kb * 1024;
@@ -738,6 +769,14 @@ delay {d} ms one way: non-transactional baseline {:.2} tx/s",
                     "  {:<5} {:>5}% {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>7.4} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
                     arch.key(), pct, r.tps, ave, min, max, ratio, r.compute_ms, comm_ms, slept_ms, r.control_ms
                 );
+                println!(
+                    "  {:<5} {:>5}% forced log records per transaction: {:.2}; control: commit {:.2} ms, start/restart {:.2} ms",
+                    arch.key(),
+                    pct,
+                    r.forces_per_tx,
+                    r.commit_ms,
+                    r.control_ms - r.commit_ms
+                );
                 let k = format!("{}_{pct}{suffix}", arch.key());
                 report.insert(format!("r_{k}"), json!((ratio * 1e4).round() / 1e4));
                 report.insert(format!("tps_{k}"), json!(r2(r.tps)));
@@ -753,6 +792,8 @@ delay {d} ms one way: non-transactional baseline {:.2} tx/s",
                         "communication": r2(comm_ms),
                         "communication_slept_out": r2(slept_ms),
                         "server_control": r2(r.control_ms),
+                        "forces_per_tx": r2(r.forces_per_tx),
+                        "server_commit": r2(r.commit_ms),
                     }),
                 );
                 points.push((pct as f64, ratio));

@@ -478,6 +478,14 @@ impl Resource for ProxyResource {
         ParticipationClass::TwoPhase
     }
 
+    /// No vote barrier, no dependencies, and the release at commit needs
+    /// only that the decision be durable: the proxy may take the decision of
+    /// a server that hands it on (`TmConfig::delegate_commit`), forcing one
+    /// record (held output and commit) instead of two.
+    fn may_decide_alone(&self) -> bool {
+        true
+    }
+
     fn prepare<'a>(&'a self, tid: Tid, log: &'a Log) -> BoxFuture<'a, Vote> {
         Box::pin(async move {
             let Some(c) = self.0.conn_of(tid) else {

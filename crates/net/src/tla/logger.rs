@@ -387,6 +387,11 @@ impl Resource for TlaResource {
         ParticipationClass::TwoPhase
     }
 
+    /// As the 2CA proxy's: the logger may take the server's decision.
+    fn may_decide_alone(&self) -> bool {
+        true
+    }
+
     fn prepare<'a>(&'a self, tid: Tid, log: &'a Log) -> BoxFuture<'a, Vote> {
         Box::pin(async move {
             let Some(key) = self.0.conn_of(tid) else {

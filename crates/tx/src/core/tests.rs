@@ -31,6 +31,7 @@ struct Sim {
     pending_lazy: Vec<NodeId>,
     messages: usize,
     now: Instant,
+    refuse_one_phase: Vec<NodeId>,
 }
 
 impl Sim {
@@ -59,6 +60,36 @@ impl Sim {
             pending_lazy: Vec::new(),
             messages: 0,
             now: Instant::now(),
+            refuse_one_phase: Vec::new(),
+        }
+    }
+
+    /// The coordinator hands the decision to a single child when it can.
+    fn delegating(mut self) -> Sim {
+        let c = self.cores.remove(&n(1)).expect("the coordinator");
+        self.cores.insert(n(1), c.with_delegation(true));
+        self
+    }
+
+    /// Delivers messages (forces complete as they come) until `pick`
+    /// matches one in flight, which is taken out and returned.
+    fn run_until(
+        &mut self,
+        pick: impl Fn(NodeId, NodeId, &TxMsg) -> bool,
+    ) -> (NodeId, NodeId, TxMsg) {
+        loop {
+            if let Some(i) = self.queue.iter().position(|(f, t, m)| pick(*f, *t, m)) {
+                return self.queue.remove(i).expect("found");
+            }
+            if let Some(node) = self.pending_force.pop() {
+                self.input(node, Input::Forced);
+            } else if let Some(node) = self.pending_lazy.pop() {
+                self.input(node, Input::LazyDurable);
+            } else if let Some((from, to, msg)) = self.queue.pop_front() {
+                self.deliver(from, to, msg);
+            } else {
+                panic!("nothing left in flight and no match");
+            }
         }
     }
 
@@ -113,7 +144,16 @@ impl Sim {
 
     fn deliver(&mut self, from: NodeId, to: NodeId, msg: TxMsg) {
         let input = match msg {
-            TxMsg::Prepare { aborted_subs, .. } => Input::Prepare { from, aborted_subs },
+            TxMsg::Prepare {
+                aborted_subs,
+                one_phase,
+                ..
+            } => Input::Prepare {
+                from,
+                aborted_subs,
+                // A driver whose resources do not allow deciding clears it.
+                one_phase: one_phase && !self.refuse_one_phase.contains(&to),
+            },
             TxMsg::Vote { vote, .. } => Input::Vote { from, vote },
             TxMsg::Decision { commit: true, .. } => Input::CommitDecision { from },
             TxMsg::Decision { commit: false, .. } => Input::AbortNotice {
@@ -643,4 +683,183 @@ fn a_branch_recovered_committed_with_nothing_left_to_do_finishes() {
         "{acts:?}"
     );
     assert_eq!(core.phase(), &Phase::Done(Some(Outcome::Committed)));
+}
+
+const VOLATILE: Vote = Vote::Yes { durable: false };
+
+#[test]
+fn a_coordinator_without_durable_state_hands_the_decision_to_its_one_child() {
+    for local in [VOLATILE, Vote::ReadOnly] {
+        let mut sim = Sim::new(&[(1, 2)], &[(1, local.clone()), (2, DURABLE)]).delegating();
+        sim.input(n(1), Input::Commit);
+        sim.settle();
+        assert_eq!(sim.finished, Some(Outcome::Committed), "local {local:?}");
+        assert_eq!(
+            sim.total_forces(),
+            1,
+            "one force: the child's commit record"
+        );
+        assert!(
+            !sim.records.contains_key(&n(1)),
+            "the coordinator writes nothing"
+        );
+        assert_eq!(
+            sim.records[&n(2)],
+            vec![
+                TmRecord::Committed {
+                    tid: tid(),
+                    children: vec![(n(1), Incarnation(1))],
+                },
+                TmRecord::End { tid: tid() },
+            ],
+            "the decider's record names the coordinator, which must hear the decision"
+        );
+        assert!(sim.did(1, "commit") && sim.did(2, "commit"));
+        assert_eq!(
+            sim.messages, 3,
+            "a one-phase Prepare, the Decision up, the Ack"
+        );
+        assert_eq!(sim.phase(1), Phase::Done(Some(Outcome::Committed)));
+        assert_eq!(sim.phase(2), Phase::Done(Some(Outcome::Committed)));
+    }
+}
+
+#[test]
+fn the_delegating_coordinator_commits_its_resources_only_after_the_decision() {
+    let mut sim = Sim::new(&[(1, 2)], &[(1, VOLATILE), (2, DURABLE)]).delegating();
+    sim.input(n(1), Input::Commit);
+    let (f, t, _) = sim.run_until(|_, _, m| matches!(m, TxMsg::Decision { .. }));
+    assert_eq!((f, t), (n(2), n(1)));
+    assert_eq!(
+        sim.forces.get(&n(2)),
+        Some(&1),
+        "the decision is durable first"
+    );
+    assert!(
+        !sim.did(1, "commit"),
+        "nothing committed before the decision"
+    );
+    assert!(sim.cores[&n(1)].in_doubt());
+    assert_eq!(sim.cores[&n(1)].answer(), Answer::Pending);
+    // The decision is lost: the decider sends it again until acknowledged.
+    sim.settle();
+    assert_eq!(sim.finished, None);
+    sim.tick(Duration::from_millis(1));
+    sim.tick(Duration::from_secs(1));
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert!(sim.did(1, "commit"));
+    assert_eq!(sim.phase(2), Phase::Done(Some(Outcome::Committed)));
+}
+
+#[test]
+fn a_lost_one_phase_prepare_is_sent_again() {
+    let mut sim = Sim::new(&[(1, 2)], &[(1, VOLATILE), (2, DURABLE)]).delegating();
+    sim.input(n(1), Input::Commit);
+    let (_, _, m) = sim.run_until(|_, _, m| matches!(m, TxMsg::Prepare { .. }));
+    assert!(matches!(
+        m,
+        TxMsg::Prepare {
+            one_phase: true,
+            ..
+        }
+    ));
+    sim.tick(Duration::from_millis(1));
+    sim.tick(Duration::from_secs(1));
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert_eq!(sim.total_forces(), 1);
+}
+
+#[test]
+fn a_delegate_that_votes_no_aborts_the_transaction() {
+    let mut sim = Sim::new(&[(1, 2)], &[(1, VOLATILE), (2, Vote::No("full".into()))]).delegating();
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Aborted));
+    assert_eq!(sim.total_forces(), 0);
+    assert!(sim.did(1, "abort") && sim.did(2, "abort"));
+    assert!(!sim.did(1, "commit"));
+}
+
+#[test]
+fn a_delegate_that_may_not_decide_votes_and_the_coordinator_decides() {
+    let mut sim = Sim::new(&[(1, 2)], &[(1, VOLATILE), (2, DURABLE)]).delegating();
+    sim.refuse_one_phase.push(n(2));
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert_eq!(sim.forces.get(&n(1)), Some(&1), "the usual commit record");
+    assert_eq!(sim.forces.get(&n(2)), Some(&1), "the usual prepare record");
+    assert!(sim.did(1, "commit") && sim.did(2, "commit"));
+    assert_eq!(sim.phase(2), Phase::Done(Some(Outcome::Committed)));
+}
+
+#[test]
+fn no_delegation_with_durable_state_at_the_coordinator_or_two_children() {
+    let mut sim = Sim::new(&[(1, 2)], &[(1, DURABLE), (2, DURABLE)]).delegating();
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert_eq!(sim.total_forces(), 2);
+    assert!(matches!(sim.records[&n(2)][0], TmRecord::Prepared { .. }));
+
+    let mut sim = Sim::new(
+        &[(1, 2), (1, 3)],
+        &[(1, VOLATILE), (2, DURABLE), (3, DURABLE)],
+    )
+    .delegating();
+    sim.input(n(1), Input::Commit);
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert_eq!(sim.total_forces(), 3);
+}
+
+#[test]
+fn a_decider_forcing_its_commit_record_ignores_aborts_and_a_dead_coordinator() {
+    let mut sim = Sim::new(&[(1, 2)], &[(1, VOLATILE), (2, DURABLE)]).delegating();
+    sim.input(n(1), Input::Commit);
+    // Deliver the one-phase Prepare; the decider's force stays pending.
+    let (f, t, m) = sim.run_until(|_, _, m| matches!(m, TxMsg::Prepare { .. }));
+    sim.deliver(f, t, m);
+    assert_eq!(sim.phase(2), Phase::Forcing);
+    assert!(sim.cores[&n(2)].is_decider());
+    sim.input(n(2), Input::Abort("local".into()));
+    sim.input(n(2), Input::PeerDead(n(1), Status::ProcDead));
+    sim.input(
+        n(2),
+        Input::AbortNotice {
+            from: n(1),
+            status: Status::Aborted,
+            reason: "late".into(),
+        },
+    );
+    assert_eq!(sim.phase(2), Phase::Forcing);
+    assert!(!sim.did(2, "abort"));
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+}
+
+#[test]
+fn a_decider_recovered_committed_tells_the_coordinator() {
+    let mut sim = Sim::new(&[(1, 2)], &[(1, VOLATILE), (2, DURABLE)]).delegating();
+    sim.input(n(1), Input::Commit);
+    // The decider crashes right after its force: the decision never left.
+    let _ = sim.run_until(|_, _, m| matches!(m, TxMsg::Decision { .. }));
+    sim.settle();
+    assert!(sim.cores[&n(1)].in_doubt());
+    let Some(TmRecord::Committed { children, .. }) = sim.records[&n(2)].first().cloned() else {
+        panic!("the decider forced a commit record");
+    };
+    let cfg = CoreConfig::default();
+    sim.cores.insert(
+        n(2),
+        TxCore::recovered_committed(tid(), None, children, cfg),
+    );
+    sim.tick(Duration::from_millis(1));
+    sim.tick(Duration::from_secs(1));
+    sim.settle();
+    assert_eq!(sim.finished, Some(Outcome::Committed));
+    assert!(sim.did(1, "commit"));
+    assert_eq!(sim.phase(2), Phase::Done(Some(Outcome::Committed)));
 }

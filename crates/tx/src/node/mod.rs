@@ -140,6 +140,10 @@ pub trait ResourceRef: Clone + Send + 'static {
     fn class(&self) -> ParticipationClass;
     /// See [`Resource::commits_from_this_log`].
     fn commits_from_this_log(&self) -> bool;
+    /// See [`Resource::may_decide_alone`].
+    fn may_decide_alone(&self) -> bool {
+        false
+    }
     /// True when both handles name the same resource (enlisted once).
     fn same(&self, other: &Self) -> bool;
 }
@@ -153,6 +157,9 @@ impl ResourceRef for Arc<dyn Resource> {
     }
     fn commits_from_this_log(&self) -> bool {
         Resource::commits_from_this_log(self.as_ref())
+    }
+    fn may_decide_alone(&self) -> bool {
+        Resource::may_decide_alone(self.as_ref())
     }
     fn same(&self, other: &Self) -> bool {
         Arc::ptr_eq(self, other)
@@ -203,6 +210,8 @@ pub struct NodeConfig {
     pub enlist_timeout: Duration,
     /// Early lock release (see `crate::manager::TmConfig`).
     pub early_lock_release: bool,
+    /// One-phase delegation (see `crate::manager::TmConfig`).
+    pub delegate_commit: bool,
 }
 
 impl Default for NodeConfig {
@@ -215,6 +224,7 @@ impl Default for NodeConfig {
             max_live: 100_000,
             enlist_timeout: Duration::from_secs(2),
             early_lock_release: true,
+            delegate_commit: false,
         }
     }
 }
@@ -927,7 +937,8 @@ impl<R: ResourceRef> TmCore<R> {
             );
             return Err(Refused { tid, failure });
         }
-        let core = TxCore::coordinator(tid, Some(deadline), self.cfg.core);
+        let core = TxCore::coordinator(tid, Some(deadline), self.cfg.core)
+            .with_delegation(self.cfg.delegate_commit);
         self.insert(tid, core);
         Ok(tid)
     }
@@ -1624,6 +1635,7 @@ impl<R: ResourceRef> TmCore<R> {
             TxMsg::Prepare {
                 incarnation,
                 aborted_subs,
+                one_phase,
                 ..
             }
             | TxMsg::TracedPrepare {
@@ -1647,7 +1659,19 @@ impl<R: ResourceRef> TmCore<R> {
                 if let Some(e) = self.txs.get_mut(&tid) {
                     expect_force(tid, e, out);
                 }
-                Input::Prepare { from, aborted_subs }
+                // This node may decide only when no resource here waits on
+                // another transaction (vote barriers, dependencies: the
+                // decider skips them) and each agrees to it.
+                let one_phase = one_phase
+                    && self
+                        .txs
+                        .get(&tid)
+                        .is_some_and(|e| e.enlisted.iter().all(|r| r.may_decide_alone()));
+                Input::Prepare {
+                    from,
+                    aborted_subs,
+                    one_phase,
+                }
             }
             TxMsg::Vote { vote, .. } => Input::Vote { from, vote },
             TxMsg::VoteAfter { vote, after, .. } => match self.deps_state(tid, &after) {
@@ -2083,7 +2107,9 @@ impl<R: ResourceRef> TmCore<R> {
         if e.halted || *e.core.phase() != Phase::Forcing {
             return;
         }
-        if e.core.is_coordinator() {
+        if e.core.is_coordinator() || e.core.is_decider() {
+            // A decider's forced record is the commit record too; it took
+            // the decision only with resources that wait on nothing.
             out.push(Action::CrashPoint {
                 point: CrashPoint::CoordinatorAfterCommitForce,
                 tid,
