@@ -372,6 +372,42 @@ fn read_u64(
     .transpose()
 }
 
+/// Makes the tables `names` (data and meta tables, `&[u8]`/`&str` keys as
+/// [`DATA`] and [`META`]) in `db` when one is missing, as happens only in a
+/// new file.
+///
+/// The commit that makes them is durable with quick repair, like every
+/// durable commit of the store: a reopen after a crash then repairs from
+/// it quickly (redb marks a file for repair when it opens it, and a
+/// process that exits without closing the engine leaves the mark).
+fn ensure_tables(db: &Database, names: &[&str], path: &Path) -> Result<(), DiskError> {
+    let engine = engine_error(path);
+    let missing = {
+        let tx = db.begin_read().map_err(|e| engine(e.into()))?;
+        let present: Vec<String> = tx
+            .list_tables()
+            .map_err(|e| engine(e.into()))?
+            .map(|t| t.name().to_string())
+            .collect();
+        names.iter().any(|n| !present.iter().any(|p| p == n))
+    };
+    if !missing {
+        return Ok(());
+    }
+    let mut tx = db.begin_write().map_err(|e| engine(e.into()))?;
+    tx.set_durability(RedbDurability::Immediate);
+    tx.set_quick_repair(true);
+    for name in names {
+        if *name == META.name() {
+            tx.open_table(META).map_err(|e| engine(e.into()))?;
+        } else {
+            tx.open_table(TableDefinition::<&[u8], &[u8]>::new(name))
+                .map_err(|e| engine(e.into()))?;
+        }
+    }
+    tx.commit().map_err(|e| engine(e.into()))
+}
+
 /// Opens the delta tables `seqs` from a fresh snapshot of the delta file.
 fn open_deltas(db: &Database, path: &Path, seqs: &[u64]) -> Result<Vec<(u64, Table)>, DiskError> {
     let engine = engine_error(path);
@@ -526,10 +562,13 @@ impl DiskStore {
             }
         }
         seqs.sort_unstable();
-        let mut tx = deltas_db.begin_write().map_err(|e| engine(e.into()))?;
-        tx.set_durability(RedbDurability::Immediate);
-        tx.set_quick_repair(true);
+        // The tables are made once, when a file is new; every later open
+        // only reads (a write transaction here would cost redb's commit
+        // fsyncs on every start).
+        ensure_tables(&deltas_db, &[META.name()], &file)?;
+        ensure_tables(&main, &[DATA.name(), META.name()], &main_file)?;
         let (lsn, prepared) = {
+            let tx = deltas_db.begin_read().map_err(|e| engine(e.into()))?;
             let meta = tx.open_table(META).map_err(|e| engine(e.into()))?;
             let lsn = read_u64(
                 &file,
@@ -544,23 +583,17 @@ impl DiskStore {
                 };
             (lsn, prepared)
         };
-        tx.commit().map_err(|e| engine(e.into()))?;
-        // The main file: its table and the last delta merged into it.
-        let mut tx = main.begin_write().map_err(|e| main_engine(e.into()))?;
-        tx.set_durability(RedbDurability::Immediate);
-        tx.set_quick_repair(true);
+        // The main file: the last delta merged into its table.
         let merged = {
-            tx.open_table(DATA).map_err(|e| main_engine(e.into()))?;
+            let tx = main.begin_read().map_err(|e| main_engine(e.into()))?;
             let meta = tx.open_table(META).map_err(|e| main_engine(e.into()))?;
-            let merged = read_u64(
+            read_u64(
                 &main_file,
                 meta.get(META_MERGED).map_err(|e| main_engine(e.into()))?,
                 "merged delta number",
             )?
-            .unwrap_or(0);
-            merged
+            .unwrap_or(0)
         };
-        tx.commit().map_err(|e| main_engine(e.into()))?;
         let base = main
             .begin_read()
             .map_err(|e| main_engine(e.into()))?

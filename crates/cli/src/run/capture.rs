@@ -252,7 +252,7 @@ impl Capture {
     ) -> Result<(), CaptureError> {
         let mut mounts = Vec::new();
         for d in &self.dirs {
-            let opts = |userxattr: bool| {
+            let opts = |userxattr: bool, volatile: bool| {
                 let mut o = b"lowerdir=".to_vec();
                 o.extend_from_slice(&escape(&d.dir));
                 o.extend_from_slice(b",upperdir=");
@@ -269,12 +269,26 @@ impl Capture {
                 } else {
                     o.extend_from_slice(b",redirect_dir=off,index=off,metacopy=off");
                 }
+                // `volatile`: the overlay never syncs its upper directory.
+                // Without it, unmounting the overlay (when the program's
+                // mount namespace dies) syncs the whole file system under
+                // the scratch area: every dirty page of every process on
+                // it, tens of milliseconds on a busy disk. Nothing needs
+                // that sync: what the run keeps is taken out of the upper
+                // directory and forced by the file store at prepare; the
+                // rest is thrown away, and a crashed run's scratch area is
+                // removed unread (a volatile upper directory is unusable
+                // after a crash, and never reused).
+                if volatile {
+                    o.extend_from_slice(b",volatile");
+                }
                 o
             };
+            let c = |userxattr, volatile| cstring(OsStr::from_bytes(&opts(userxattr, volatile)));
             mounts.push(MountSpec {
                 target: cstring(d.dir.as_os_str())?,
-                opts_root: cstring(OsStr::from_bytes(&opts(false)))?,
-                opts_user: cstring(OsStr::from_bytes(&opts(true)))?,
+                opts_root: [c(false, true)?, c(false, false)?],
+                opts_user: [c(true, true)?, c(true, false)?],
             });
         }
         let setup = ChildSetup {
@@ -320,26 +334,34 @@ impl Capture {
     }
 }
 
-/// Removes a scratch area; overlayfs leaves its work directory without
+/// Removes a scratch area; overlayfs leaves its work directory (and, for a
+/// volatile overlay, the `incompat/volatile` directories in it) without
 /// permissions, so those are restored first where needed.
 fn remove_scratch(path: &Path) {
     if std::fs::remove_dir_all(path).is_ok() {
         return;
     }
-    if let Ok(entries) = std::fs::read_dir(path) {
-        for e in entries.flatten() {
-            use std::os::unix::fs::PermissionsExt;
-            let p = e.path();
-            if let Ok(inner) = std::fs::read_dir(&p) {
-                for i in inner.flatten() {
-                    let _ =
-                        std::fs::set_permissions(i.path(), std::fs::Permissions::from_mode(0o700));
-                }
-            }
-        }
-    }
+    open_up(path);
     if let Err(e) = std::fs::remove_dir_all(path) {
         tracing::warn!("cannot remove the scratch area {}: {e}", path.display());
+    }
+}
+
+/// Gives every directory under `dir` (not following links) its owner's
+/// permissions, so that it can be listed and emptied.
+fn open_up(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700));
+        if let Ok(entries) = std::fs::read_dir(&d) {
+            stack.extend(
+                entries
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
+        }
     }
 }
 
@@ -381,8 +403,11 @@ fn escape(p: &Path) -> Vec<u8> {
 
 struct MountSpec {
     target: CString,
-    opts_root: CString,
-    opts_user: CString,
+    /// Mount options as root, with `volatile` then without (a kernel
+    /// before 5.10 refuses it with EINVAL).
+    opts_root: [CString; 2],
+    /// The same in a user namespace (`userxattr`).
+    opts_user: [CString; 2],
 }
 
 /// Everything the child needs between fork and exec, prepared before the
@@ -434,15 +459,23 @@ impl ChildSetup {
             }
             for m in &self.mounts {
                 let opts = if userns { &m.opts_user } else { &m.opts_root };
-                if libc::mount(
-                    c"overlay".as_ptr(),
-                    m.target.as_ptr(),
-                    c"overlay".as_ptr(),
-                    0,
-                    opts.as_ptr().cast(),
-                ) != 0
-                {
-                    return Err(io::Error::last_os_error());
+                let mount = |o: &CString| {
+                    libc::mount(
+                        c"overlay".as_ptr(),
+                        m.target.as_ptr(),
+                        c"overlay".as_ptr(),
+                        0,
+                        o.as_ptr().cast(),
+                    )
+                };
+                if mount(&opts[0]) != 0 {
+                    let e = io::Error::last_os_error();
+                    if e.raw_os_error() != Some(libc::EINVAL) {
+                        return Err(e);
+                    }
+                    if mount(&opts[1]) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
                 }
             }
             // The working directory was entered before the mounts: enter it
@@ -770,6 +803,37 @@ mod tests {
         assert!(matches!(e, CaptureError::BadDir(_)), "{e}");
         let e = Capture::prepare(&a.join("b/scratch"), std::slice::from_ref(&a)).unwrap_err();
         assert!(matches!(e, CaptureError::BadDir(_)), "{e}");
+    }
+
+    #[test]
+    fn directories_without_permissions_are_opened_up_for_removal() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        let work = t.path().join("work0/work");
+        std::fs::create_dir_all(work.join("incompat/volatile")).unwrap();
+        std::fs::write(work.join("incompat/volatile/f"), b"x").unwrap();
+        for d in [
+            "work0/work/incompat/volatile",
+            "work0/work/incompat",
+            "work0/work",
+        ] {
+            std::fs::set_permissions(t.path().join(d), std::fs::Permissions::from_mode(0o000))
+                .unwrap();
+        }
+        open_up(t.path());
+        for d in [
+            "work0/work",
+            "work0/work/incompat",
+            "work0/work/incompat/volatile",
+        ] {
+            let mode = std::fs::metadata(t.path().join(d))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o700, "{d}");
+        }
+        remove_scratch(&t.path().join("work0"));
+        assert!(!t.path().join("work0").exists());
     }
 
     #[test]

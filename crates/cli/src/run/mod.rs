@@ -99,15 +99,11 @@ pub struct Session {
 
 impl Session {
     async fn close(self) {
-        if self.embedded.is_some() {
-            self.client.close().await;
-        } else {
-            // Every transaction of the run has ended and the process exits
-            // next, which closes the connection: a polite shutdown would
-            // only add the transport's pause for its goodbye (5 ms, about
-            // half of a null program's run).
-            drop(self.client);
-        }
+        // Every transaction of the run has ended and the process exits
+        // next (an embedded node stops first), which closes the connection:
+        // a polite shutdown would only add the transport's pause for its
+        // goodbye (5 ms, about half of a null program's run).
+        drop(self.client);
         if let Some(fs) = &self.fs {
             // A commit returns once its files show; they are made durable
             // (and recorded as applied) just after: wait for that here, so
