@@ -36,6 +36,7 @@ use weft_wire::status::{Failure, Status};
 use weft_wire::txctx::{Baggage, BaggageItem, TxContext};
 use weft_wire::Payload;
 
+use crate::core::apply::apply_diff_bytes;
 use crate::core::codec;
 use crate::core::coherence::{CacheView, Coherence};
 use crate::core::error::StateError;
@@ -526,8 +527,10 @@ impl StateClient {
             WireRefresh::Current => {}
             WireRefresh::Diff(b) => {
                 moved += b.len() as u64;
-                let d = codec::decode_diff(&b, max).map_err(fail)?;
-                if e.seg.apply_owned(d).is_err() {
+                if let Err(err) = apply_diff_bytes(&mut e.seg, &b, max) {
+                    if matches!(err, StateError::Decode(_) | StateError::LimitExceeded(_)) {
+                        return Err(fail(err));
+                    }
                     // Our copy was not what we said: take the image next time.
                     forget(e);
                     return Err(Failure::new(
@@ -555,8 +558,7 @@ impl StateClient {
         e.lease_until = (lease_ms > 0).then(|| sent + Duration::from_millis(lease_ms));
         if let (Some(t), Some(b)) = (tid, tentative) {
             moved += b.len() as u64;
-            let d = codec::decode_diff(&b, max).map_err(fail)?;
-            e.seg.apply_owned(d).map_err(fail)?;
+            apply_diff_bytes(&mut e.seg, &b, max).map_err(fail)?;
             e.tentative_of = Some(t);
             e.tag = 0;
         }

@@ -424,8 +424,11 @@ impl Inner {
     }
 
     /// What brings a copy at `have` to the master's version (a lone diff
-    /// is encoded where it lies).
+    /// is sent in the bytes it arrived in, or encoded where it lies).
     fn refresh_for(core: &HomeSegment, have: Option<u64>) -> WireRefresh {
+        if let Some(b) = have.and_then(|h| core.only_wire_since(h)) {
+            return WireRefresh::Diff(b);
+        }
         if let Some(d) = have.and_then(|h| core.only_diff_since(h)) {
             return WireRefresh::Diff(codec::encode_diff(d).into());
         }
@@ -564,14 +567,17 @@ impl Inner {
         tid: Tid,
         sub: SubPath,
         path: &str,
-        bytes: &[u8],
+        bytes: Vec<u8>,
     ) -> Result<HomeReply, Failure> {
-        let diff = codec::decode_diff(bytes, self.cfg.max_bytes).map_err(fail)?;
+        let diff = codec::decode_diff(&bytes, self.cfg.max_bytes).map_err(fail)?;
         let mut segs = self.segs.lock();
         let e = segs
             .get_mut(path)
             .ok_or_else(|| Failure::new(Status::AddrError, path.to_string()))?;
-        let version = e.core.submit(tid, sub, diff).map_err(fail)?;
+        let version = e
+            .core
+            .submit_wire(tid, sub, diff, 0, Some(Bytes::from(bytes)))
+            .map_err(fail)?;
         Ok(HomeReply::Submitted { version })
     }
 
@@ -616,7 +622,7 @@ impl Inner {
             }
             HomeRequest::Submit { path, diff } => {
                 let t = tx()?;
-                self.submit(t.tid, t.path.clone(), &path, &diff)
+                self.submit(t.tid, t.path.clone(), &path, diff)
             }
             HomeRequest::List => Ok(HomeReply::List(self.list())),
         }
@@ -700,7 +706,7 @@ impl Inner {
                 let d = codec::decode_diff(&bytes, self.cfg.max_bytes)
                     .map_err(|e| format!("state: held diff of {url}: {e}"))?;
                 e.core
-                    .submit_tagged(tid, sub, d, id)
+                    .submit_wire(tid, sub, d, id, Some(Bytes::from(bytes)))
                     .map_err(|e| format!("state: held diff of {url}: {e}"))?;
             }
         }
@@ -854,9 +860,9 @@ impl Resource for HomeResource {
                 let all = self.0.segs.lock();
                 let segs: Vec<(String, Vec<Vec<u8>>)> = all
                     .iter()
-                    .map(|(p, e)| (p.clone(), e.core.prepared(tid)))
+                    .map(|(p, e)| (p.clone(), e.core.prepared_wire(tid)))
                     .filter(|(_, d)| !d.is_empty())
-                    .map(|(p, d)| (p, d.iter().map(codec::encode_diff).collect()))
+                    .map(|(p, d)| (p, d.iter().map(|b| b.to_vec()).collect()))
                     .collect();
                 if segs.is_empty() {
                     None

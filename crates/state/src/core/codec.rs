@@ -133,7 +133,7 @@ impl Interner {
 }
 
 /// Materializes a type table, checking references, depth and size.
-fn resolve_types(nodes: &[WireType]) -> Result<Vec<Arc<TypeDesc>>, StateError> {
+pub(crate) fn resolve_types(nodes: &[WireType]) -> Result<Vec<Arc<TypeDesc>>, StateError> {
     if nodes.len() > MAX_TYPE_TABLE {
         return Err(StateError::Decode(format!(
             "type table of {} nodes",
@@ -207,14 +207,14 @@ fn resolve_types(nodes: &[WireType]) -> Result<Vec<Arc<TypeDesc>>, StateError> {
     Ok(out)
 }
 
-fn ty_at(types: &[Arc<TypeDesc>], i: u32) -> Result<Arc<TypeDesc>, StateError> {
+pub(crate) fn ty_at(types: &[Arc<TypeDesc>], i: u32) -> Result<Arc<TypeDesc>, StateError> {
     types
         .get(i as usize)
         .cloned()
         .ok_or_else(|| StateError::Decode(format!("no type node {i}")))
 }
 
-fn deps_from(v: Vec<(SegUrl, u64)>) -> Result<BTreeMap<SegUrl, u64>, StateError> {
+pub(crate) fn deps_from(v: Vec<(SegUrl, u64)>) -> Result<BTreeMap<SegUrl, u64>, StateError> {
     let n = v.len();
     let m: BTreeMap<_, _> = v.into_iter().collect();
     if m.len() != n {

@@ -12,8 +12,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+use bytes::Bytes;
 use weft_wire::ids::{SubPath, Tid};
 
+use super::codec::encode_diff;
 use super::error::StateError;
 use super::segment::{Diff, Segment};
 use super::tmt::LockMode;
@@ -58,6 +60,9 @@ struct Tentative {
     /// Each diff with the (sub-)transaction that wrote it and its
     /// identifier (0: none given).
     diffs: Vec<(SubPath, Diff, u64)>,
+    /// The wire form each diff arrived in, when it did (kept to log it and
+    /// to serve readers without encoding it again); in step with `diffs`.
+    wire: Vec<Option<Bytes>>,
     /// A sub-transaction's diffs were undone: version numbers were reused.
     sub_aborted: bool,
 }
@@ -69,7 +74,8 @@ pub const MAX_COMMITTED_REMEMBERED: usize = 1024;
 #[derive(Clone, Debug)]
 pub struct HomeSegment {
     master: Segment,
-    history: VecDeque<Diff>,
+    /// Committed diffs, oldest first, with their wire form when known.
+    history: VecDeque<(Diff, Option<Bytes>)>,
     readers: BTreeSet<Tid>,
     writer: Option<Tid>,
     pending: BTreeMap<Tid, Tentative>,
@@ -175,21 +181,37 @@ impl HomeSegment {
     /// exactly one separates them and it is smaller than the segment (what
     /// [`HomeSegment::refresh`] would chain, without copying it).
     pub fn only_diff_since(&self, have: u64) -> Option<&Diff> {
+        self.only_since(have).map(|(d, _)| d)
+    }
+
+    /// The wire form of [`HomeSegment::only_diff_since`]'s diff, when the
+    /// home kept the bytes it arrived in (no encoding on a reader's path).
+    pub fn only_wire_since(&self, have: u64) -> Option<Bytes> {
+        self.only_since(have).and_then(|(_, b)| b.clone())
+    }
+
+    fn only_since(&self, have: u64) -> Option<&(Diff, Option<Bytes>)> {
         self.history
             .back()
-            .filter(|d| d.base == have && d.target == self.master.version())
-            .filter(|d| d.units() < self.master.units())
+            .filter(|(d, _)| d.base == have && d.target == self.master.version())
+            .filter(|(d, _)| d.units() < self.master.units())
     }
 
     /// Units the retained diffs since `have` carry (`None`: not retained).
     fn units_since(&self, have: u64) -> Option<u64> {
-        let first = self.history.iter().position(|d| d.base == have)?;
-        Some(self.history.iter().skip(first).map(Diff::units).sum())
+        let first = self.history.iter().position(|(d, _)| d.base == have)?;
+        Some(
+            self.history
+                .iter()
+                .skip(first)
+                .map(|(d, _)| d.units())
+                .sum(),
+        )
     }
 
     fn chain_since(&self, have: u64) -> Option<Diff> {
-        let first = self.history.iter().position(|d| d.base == have)?;
-        let mut it = self.history.iter().skip(first);
+        let first = self.history.iter().position(|(d, _)| d.base == have)?;
+        let mut it = self.history.iter().skip(first).map(|(d, _)| d);
         let mut out = it.next()?.clone();
         for d in it {
             out.chain(d).ok()?;
@@ -222,6 +244,20 @@ impl HomeSegment {
         diff: Diff,
         id: u64,
     ) -> Result<u64, StateError> {
+        self.submit_wire(tid, path, diff, id, None)
+    }
+
+    /// [`HomeSegment::submit_tagged`] of a diff that arrived as `wire` (its
+    /// wire form, kept to log it at prepare and to refresh readers after
+    /// commit without encoding it again).
+    pub fn submit_wire(
+        &mut self,
+        tid: Tid,
+        path: SubPath,
+        diff: Diff,
+        id: u64,
+        wire: Option<Bytes>,
+    ) -> Result<u64, StateError> {
         if self.writer != Some(tid) {
             return Err(StateError::TxLockClash(format!(
                 "{} (a diff needs the write lock)",
@@ -232,6 +268,7 @@ impl HomeSegment {
         let t = self.pending.entry(tid).or_insert_with(|| Tentative {
             seg: master.clone(),
             diffs: Vec::new(),
+            wire: Vec::new(),
             sub_aborted: false,
         });
         if t.diffs.len() >= self.limits.max_pending {
@@ -241,6 +278,7 @@ impl HomeSegment {
         }
         t.seg.apply(&diff)?;
         t.diffs.push((path, diff, id));
+        t.wire.push(wire);
         Ok(t.seg.version())
     }
 
@@ -260,6 +298,7 @@ impl HomeSegment {
             return;
         };
         t.diffs.truncate(cut);
+        t.wire.truncate(cut);
         t.sub_aborted = true;
         let mut seg = self.master.clone();
         for (_, d, _) in &t.diffs {
@@ -310,6 +349,21 @@ impl HomeSegment {
             .unwrap_or_default()
     }
 
+    /// `tid`'s uncommitted diffs in wire form, in order (what prepare logs):
+    /// the bytes each arrived in, or its encoding.
+    pub fn prepared_wire(&self, tid: Tid) -> Vec<Bytes> {
+        self.pending
+            .get(&tid)
+            .map(|t| {
+                t.diffs
+                    .iter()
+                    .zip(&t.wire)
+                    .map(|((_, d, _), w)| w.clone().unwrap_or_else(|| encode_diff(d).into()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Restores, at recovery, an in-doubt transaction's diffs and write lock.
     pub fn restore_in_doubt(&mut self, tid: Tid, diffs: Vec<Diff>) -> Result<(), StateError> {
         if !self.try_lock(tid, LockMode::Write)? {
@@ -340,17 +394,29 @@ impl HomeSegment {
                     self.committed.pop_front();
                 }
             }
-            for (_, d, id) in t.diffs {
-                match self.master.apply_owned(d.clone()) {
-                    Ok(()) => {
-                        self.tag = id;
-                        changed += d.units();
-                        self.history.push_back(d);
-                        while self.history.len() > self.limits.history {
-                            self.history.pop_front();
-                        }
+            // The tentative copy is the master with exactly these diffs
+            // applied (the write lock kept the master still since it was
+            // made): it becomes the master, and nothing is applied twice.
+            let chained = t
+                .diffs
+                .first()
+                .is_some_and(|(_, d, _)| d.base == self.master.version())
+                && t.diffs.last().map(|(_, d, _)| d.target) == Some(t.seg.version());
+            if chained {
+                self.master = t.seg;
+            }
+            for ((_, d, id), w) in t.diffs.into_iter().zip(t.wire) {
+                if !chained {
+                    if let Err(e) = self.master.apply(&d) {
+                        debug_assert!(false, "a checked diff failed at commit: {e}");
+                        continue;
                     }
-                    Err(e) => debug_assert!(false, "a checked diff failed at commit: {e}"),
+                }
+                self.tag = id;
+                changed += d.units();
+                self.history.push_back((d, w));
+                while self.history.len() > self.limits.history {
+                    self.history.pop_front();
                 }
             }
         }
@@ -372,7 +438,7 @@ impl HomeSegment {
         }
         self.master.apply(d)?;
         self.tag = 0;
-        self.history.push_back(d.clone());
+        self.history.push_back((d.clone(), None));
         while self.history.len() > self.limits.history {
             self.history.pop_front();
         }

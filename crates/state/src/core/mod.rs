@@ -3,9 +3,11 @@
 //! Types and units ([`types`]), native mapping ([`record`]), URLs and MIPs
 //! ([`mip`]), segments and diffs ([`segment`]), twins and diff collection
 //! ([`twin`]), coherence decisions ([`coherence`]), the transaction metadata
-//! table ([`tmt`]) and the machine-independent bytes ([`codec`]). The runtime
+//! table ([`tmt`]), the machine-independent bytes ([`codec`]) and applying a
+//! diff straight from them ([`apply`]). The runtime
 //! performs what these decide.
 
+pub mod apply;
 pub mod codec;
 pub mod coherence;
 pub mod error;

@@ -4,6 +4,7 @@
 
 use proptest::prelude::*;
 
+use crate::core::apply::apply_diff_bytes;
 use crate::core::codec::{decode_diff, encode_diff};
 use crate::core::mip::{BlockRef, SegUrl};
 use crate::core::segment::{Diff, DiffOp, SegLimits, Segment};
@@ -162,6 +163,31 @@ fn run(seg: &mut Segment, edits: &[Edit], names: &mut u32) -> Diff {
     collect(seg, tw)
 }
 
+/// Applies `bytes` to copies of `base` both ways, decode then apply and
+/// straight from the bytes: both accept (with the same result) or both
+/// refuse with the same error kind and leave the copy untouched.
+fn same_both_ways(base: &Segment, bytes: &[u8]) -> Result<(), TestCaseError> {
+    let mut a = base.clone();
+    let old = decode_diff(bytes, 1 << 20).and_then(|d| a.apply(&d));
+    let mut b = base.clone();
+    let new = apply_diff_bytes(&mut b, bytes, 1 << 20);
+    match (&old, &new) {
+        (Ok(()), Ok(())) => prop_assert_eq!(&a, &b),
+        (Err(x), Err(y)) => {
+            prop_assert_eq!(
+                std::mem::discriminant(x),
+                std::mem::discriminant(y),
+                "{} / {}",
+                x,
+                y
+            );
+            prop_assert_eq!(&b, base);
+        }
+        _ => prop_assert!(false, "decode+apply {:?}, from the bytes {:?}", old, new),
+    }
+    Ok(())
+}
+
 fn fresh() -> Segment {
     Segment::new(
         SegUrl {
@@ -191,8 +217,10 @@ proptest! {
                 prop_assert!(d.ops.is_empty());
                 continue;
             }
-            let back = decode_diff(&encode_diff(&d), 64 << 20).unwrap();
+            let bytes = encode_diff(&d);
+            let back = decode_diff(&bytes, 64 << 20).unwrap();
             prop_assert_eq!(&back, &d);
+            same_both_ways(&replica, &bytes)?;
             replica.apply(&back).unwrap();
             prop_assert_eq!(&replica, &master);
             match &mut chained {
@@ -237,6 +265,10 @@ proptest! {
         let mut r = base.clone();
         prop_assert!(r.apply(&d).is_err());
         prop_assert_eq!(&r, &base);
+        let bytes = encode_diff(&d);
+        prop_assert!(apply_diff_bytes(&mut r, &bytes, 1 << 20).is_err());
+        prop_assert_eq!(&r, &base);
+        same_both_ways(&base, &bytes)?;
     }
 
     /// Random bytes or a flipped byte in a diff's wire form never panic and
@@ -253,6 +285,7 @@ proptest! {
         let i = flip % bytes.len();
         bytes[i] ^= 1 << bit;
         for b in [bytes, junk] {
+            same_both_ways(&base, &b)?;
             if let Ok(dd) = decode_diff(&b, 1 << 20) {
                 let mut r = base.clone();
                 match r.apply(&dd) {
@@ -261,5 +294,29 @@ proptest! {
                 }
             }
         }
+    }
+
+    /// Several damaged bytes, a cut or an insertion anywhere in a diff's
+    /// wire form: applying straight from the bytes accepts and refuses
+    /// exactly what decoding then applying does.
+    #[test]
+    fn bytes_path_matches_decode_then_apply(edits in prop::collection::vec(edit(), 1..20), hits in prop::collection::vec((any::<usize>(), any::<u8>()), 0..4), cut in any::<usize>(), how in 0u8..3) {
+        let mut base = fresh();
+        let mut names = 0;
+        run(&mut base, &[Edit::Alloc { ty: 15, named: true }, Edit::Alloc { ty: 14, named: false }], &mut names);
+        let mut master = base.clone();
+        let d = run(&mut master, &edits, &mut names);
+        let mut bytes = encode_diff(&d);
+        for (i, v) in &hits {
+            let i = i % bytes.len();
+            bytes[i] = *v;
+        }
+        let at = cut % (bytes.len() + 1);
+        match how {
+            0 => bytes.truncate(at),
+            1 => bytes.insert(at, (cut >> 8) as u8),
+            _ => {}
+        }
+        same_both_ways(&base, &bytes)?;
     }
 }

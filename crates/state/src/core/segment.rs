@@ -160,7 +160,7 @@ pub struct Segment {
 
 /// Mirror of the facts a diff check needs, so a diff can be checked without
 /// touching (or cloning) the segment.
-struct Overlay<'a> {
+pub(crate) struct Overlay<'a> {
     seg: &'a Segment,
     added: BTreeMap<u32, (Arc<TypeDesc>, Option<String>)>,
     freed: BTreeSet<u32>,
@@ -170,7 +170,105 @@ struct Overlay<'a> {
     blocks: u64,
 }
 
-impl Overlay<'_> {
+impl<'a> Overlay<'a> {
+    pub(crate) fn new(seg: &'a Segment) -> Self {
+        Overlay {
+            seg,
+            added: BTreeMap::new(),
+            freed: BTreeSet::new(),
+            names_gone: BTreeSet::new(),
+            next_serial: seg.next_serial,
+            units: seg.units,
+            blocks: seg.blocks.len() as u64,
+        }
+    }
+
+    /// Checks an `Alloc` op and records its block.
+    pub(crate) fn check_alloc(
+        &mut self,
+        serial: u32,
+        name: &Option<String>,
+        ty: &Arc<TypeDesc>,
+        data: &[Unit],
+    ) -> Result<(), StateError> {
+        let limits = &self.seg.limits;
+        if serial < self.next_serial || serial == u32::MAX {
+            return Err(StateError::BadDiff(format!(
+                "allocation reuses serial {serial}"
+            )));
+        }
+        ty.validate(&limits.types)?;
+        if data.len() as u64 != ty.units() {
+            return Err(StateError::BadDiff(format!(
+                "block {serial}: {} units for a type of {}",
+                data.len(),
+                ty.units()
+            )));
+        }
+        let mut kinds = Vec::with_capacity(data.len());
+        ty.layout(&mut kinds);
+        for (u, k) in data.iter().zip(kinds) {
+            u.check(k, &limits.types)?;
+        }
+        if let Some(n) = name {
+            check_name(n, &limits.types)?;
+            if self.name_taken(n) {
+                return Err(StateError::NameInUse(n.clone()));
+            }
+        }
+        self.units += data.len() as u64;
+        self.blocks += 1;
+        if self.units > limits.max_units {
+            return Err(StateError::LimitExceeded(format!(
+                "segment would hold {} units, more than {}",
+                self.units, limits.max_units
+            )));
+        }
+        if self.blocks > u64::from(limits.max_blocks) {
+            return Err(StateError::LimitExceeded(format!(
+                "segment would hold {} blocks, more than {}",
+                self.blocks, limits.max_blocks
+            )));
+        }
+        self.next_serial = serial + 1;
+        self.added.insert(serial, (ty.clone(), name.clone()));
+        Ok(())
+    }
+
+    /// Checks a `Free` op and records it.
+    pub(crate) fn check_free(&mut self, serial: u32) -> Result<(), StateError> {
+        let ty = self.live_type(serial)?;
+        self.units -= ty.units();
+        self.blocks -= 1;
+        if self.added.remove(&serial).is_none() {
+            if let Some(Some(n)) = self.seg.blocks.get(&serial).map(|b| &b.name) {
+                self.names_gone.insert(n.clone());
+            }
+        }
+        self.freed.insert(serial);
+        Ok(())
+    }
+
+    /// The type of the block a `Write` of `n` units at `start` changes,
+    /// after checking that it is live and the run is inside it and not
+    /// empty (the units' kinds are the caller's to check).
+    pub(crate) fn write_type(
+        &self,
+        serial: u32,
+        start: u64,
+        n: u64,
+    ) -> Result<Arc<TypeDesc>, StateError> {
+        let ty = self.live_type(serial)?;
+        let end = start.checked_add(n);
+        if n == 0 || end.is_none_or(|e| e > ty.units()) {
+            return Err(StateError::BadDiff(format!(
+                "write of {n} units at {start} outside block {serial} of {}",
+                ty.units()
+            )));
+        }
+        Ok(ty)
+    }
+
     fn live_type(&self, serial: u32) -> Result<Arc<TypeDesc>, StateError> {
         if self.freed.contains(&serial) {
             return Err(StateError::BadDiff(format!("block {serial} is freed")));
@@ -354,46 +452,15 @@ impl Segment {
     /// anything. Fails with [`StateError::VersionMismatch`],
     /// [`StateError::BadDiff`] or [`StateError::LimitExceeded`].
     pub fn check(&self, diff: &Diff) -> Result<(), StateError> {
-        if diff.base != self.version {
-            return Err(StateError::VersionMismatch {
-                base: diff.base,
-                have: self.version,
-            });
-        }
-        if diff.target <= diff.base {
-            return Err(StateError::BadDiff(format!(
-                "target version {} is not after base {}",
-                diff.target, diff.base
-            )));
-        }
-        if diff.ops.len() > self.limits.max_diff_ops {
-            return Err(StateError::LimitExceeded(format!(
-                "{} ops in one diff",
-                diff.ops.len()
-            )));
-        }
-        if diff.units() > self.limits.max_diff_units {
-            return Err(StateError::LimitExceeded(format!(
-                "diff of {} units, more than {}",
-                diff.units(),
-                self.limits.max_diff_units
-            )));
-        }
-        if diff.next_serial == u32::MAX {
-            return Err(StateError::BadDiff("next serial out of range".into()));
-        }
-        if diff.deps.len() > self.limits.max_deps || diff.deps.contains_key(&self.url) {
-            return Err(StateError::BadDiff("bad dependency list".into()));
-        }
-        let mut ov = Overlay {
-            seg: self,
-            added: BTreeMap::new(),
-            freed: BTreeSet::new(),
-            names_gone: BTreeSet::new(),
-            next_serial: self.next_serial,
-            units: self.units,
-            blocks: self.blocks.len() as u64,
-        };
+        self.check_head(
+            diff.base,
+            diff.target,
+            diff.ops.len(),
+            diff.units(),
+            diff.next_serial,
+            &diff.deps,
+        )?;
+        let mut ov = Overlay::new(self);
         for op in &diff.ops {
             match op {
                 DiffOp::Alloc {
@@ -401,73 +468,14 @@ impl Segment {
                     name,
                     ty,
                     data,
-                } => {
-                    if *serial < ov.next_serial || *serial == u32::MAX {
-                        return Err(StateError::BadDiff(format!(
-                            "allocation reuses serial {serial}"
-                        )));
-                    }
-                    ty.validate(&self.limits.types)?;
-                    if data.len() as u64 != ty.units() {
-                        return Err(StateError::BadDiff(format!(
-                            "block {serial}: {} units for a type of {}",
-                            data.len(),
-                            ty.units()
-                        )));
-                    }
-                    let mut kinds = Vec::with_capacity(data.len());
-                    ty.layout(&mut kinds);
-                    for (u, k) in data.iter().zip(kinds) {
-                        u.check(k, &self.limits.types)?;
-                    }
-                    if let Some(n) = name {
-                        check_name(n, &self.limits.types)?;
-                        if ov.name_taken(n) {
-                            return Err(StateError::NameInUse(n.clone()));
-                        }
-                    }
-                    ov.units += data.len() as u64;
-                    ov.blocks += 1;
-                    if ov.units > self.limits.max_units {
-                        return Err(StateError::LimitExceeded(format!(
-                            "segment would hold {} units, more than {}",
-                            ov.units, self.limits.max_units
-                        )));
-                    }
-                    if ov.blocks > u64::from(self.limits.max_blocks) {
-                        return Err(StateError::LimitExceeded(format!(
-                            "segment would hold {} blocks, more than {}",
-                            ov.blocks, self.limits.max_blocks
-                        )));
-                    }
-                    ov.next_serial = serial + 1;
-                    ov.added.insert(*serial, (ty.clone(), name.clone()));
-                }
-                DiffOp::Free { serial } => {
-                    let ty = ov.live_type(*serial)?;
-                    ov.units -= ty.units();
-                    ov.blocks -= 1;
-                    if ov.added.remove(serial).is_none() {
-                        if let Some(Some(n)) = self.blocks.get(serial).map(|b| &b.name) {
-                            ov.names_gone.insert(n.clone());
-                        }
-                    }
-                    ov.freed.insert(*serial);
-                }
+                } => ov.check_alloc(*serial, name, ty, data)?,
+                DiffOp::Free { serial } => ov.check_free(*serial)?,
                 DiffOp::Write {
                     serial,
                     start,
                     units,
                 } => {
-                    let ty = ov.live_type(*serial)?;
-                    let end = start.checked_add(units.len() as u64);
-                    if units.is_empty() || end.is_none_or(|e| e > ty.units()) {
-                        return Err(StateError::BadDiff(format!(
-                            "write of {} units at {start} outside block {serial} of {}",
-                            units.len(),
-                            ty.units()
-                        )));
-                    }
+                    let ty = ov.write_type(*serial, *start, units.len() as u64)?;
                     let mut each = units.iter();
                     let lim = &self.limits.types;
                     let seen = ty.walk_kinds(*start, units.len() as u64, &mut |k| {
@@ -478,6 +486,46 @@ impl Segment {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The checks of a diff as a whole (everything but its ops), in the order
+    /// [`Segment::check`] makes them.
+    pub(crate) fn check_head(
+        &self,
+        base: u64,
+        target: u64,
+        ops: usize,
+        units: u64,
+        next_serial: u32,
+        deps: &BTreeMap<SegUrl, u64>,
+    ) -> Result<(), StateError> {
+        if base != self.version {
+            return Err(StateError::VersionMismatch {
+                base,
+                have: self.version,
+            });
+        }
+        if target <= base {
+            return Err(StateError::BadDiff(format!(
+                "target version {target} is not after base {base}"
+            )));
+        }
+        if ops > self.limits.max_diff_ops {
+            return Err(StateError::LimitExceeded(format!("{ops} ops in one diff")));
+        }
+        if units > self.limits.max_diff_units {
+            return Err(StateError::LimitExceeded(format!(
+                "diff of {units} units, more than {}",
+                self.limits.max_diff_units
+            )));
+        }
+        if next_serial == u32::MAX {
+            return Err(StateError::BadDiff("next serial out of range".into()));
+        }
+        if deps.len() > self.limits.max_deps || deps.contains_key(&self.url) {
+            return Err(StateError::BadDiff("bad dependency list".into()));
         }
         Ok(())
     }
@@ -638,6 +686,30 @@ impl Segment {
         }
         *self = Segment::from_image(img, self.limits)?;
         Ok(())
+    }
+
+    /// Inserts a block an `Alloc` op that [`Segment::check`] (or its
+    /// [`Overlay`]) accepted brings.
+    pub(crate) fn insert_block(&mut self, serial: u32, block: Block) {
+        if let Some(n) = &block.name {
+            self.names.insert(n.clone(), serial);
+        }
+        self.units += block.data.len() as u64;
+        self.next_serial = serial + 1;
+        self.blocks.insert(serial, block);
+    }
+
+    /// Ends applying a checked diff: its version, serial claim and
+    /// dependencies.
+    pub(crate) fn finish_diff(
+        &mut self,
+        target: u64,
+        next_serial: u32,
+        deps: &BTreeMap<SegUrl, u64>,
+    ) {
+        self.version = target;
+        self.next_serial = self.next_serial.max(next_serial);
+        self.merge_deps(deps);
     }
 
     pub(crate) fn block_data_mut(&mut self, serial: u32) -> Option<&mut Vec<Unit>> {

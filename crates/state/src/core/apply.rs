@@ -1,0 +1,336 @@
+//! Applying a diff straight from its wire form (docs/state.md, "Diff").
+//!
+//! Owns the receiving side's fast path: two passes over the diff's bytes
+//! with no intermediate [`Diff`](super::segment::Diff). The first decodes
+//! every op, checks it against the segment and the limits (each `Write`
+//! unit is checked against the layout's kind as it is read, and dropped);
+//! the second, only when the first found nothing wrong, decodes the `Write`
+//! runs again straight into the blocks. It accepts and refuses exactly what
+//! [`decode_diff`](super::codec::decode_diff) followed by
+//! [`Segment::apply`] does, with the same status.
+//!
+//! Must never change the segment before the whole diff is checked
+//! (all or nothing), and never trust a length before reading what it counts.
+
+use std::collections::VecDeque;
+
+use serde::Deserialize;
+
+use super::codec::{deps_from, resolve_types, ty_at, WireType};
+use super::error::StateError;
+use super::mip::{Mip, SegUrl};
+use super::segment::{Block, DiffOp, Overlay, Segment};
+use super::types::{PrimKind, TypeDesc, Unit};
+
+/// Longest repeating layout kept to check a block's units by offset.
+const MAX_PERIOD: u64 = 1 << 16;
+
+/// The kinds of a block's units as one repeating period (an array's
+/// element, or the whole type when short): the kind at offset `o` is
+/// `period[o % period.len()]`. `None` when the period would be too long.
+fn period_of(ty: &TypeDesc) -> Option<Vec<PrimKind>> {
+    let one = match ty {
+        TypeDesc::Array { elem, .. } => &**elem,
+        t => t,
+    };
+    if one.units() == 0 || one.units() > MAX_PERIOD {
+        return None;
+    }
+    let mut kinds = Vec::new();
+    one.layout(&mut kinds);
+    Some(kinds)
+}
+
+fn short() -> StateError {
+    StateError::Decode("diff: unexpected end of input".into())
+}
+
+fn bad(what: &str) -> StateError {
+    StateError::Decode(format!("diff: {what}"))
+}
+
+/// Reads postcard 1.x's primitive forms from a byte slice (the rules
+/// postcard's own deserializer applies, so both accept the same bytes).
+struct Cursor<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn byte(&mut self) -> Result<u8, StateError> {
+        let v = *self.b.get(self.at).ok_or_else(short)?;
+        self.at += 1;
+        Ok(v)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], StateError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|e| *e <= self.b.len())
+            .ok_or_else(short)?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    /// An unsigned LEB128 varint of at most `max` bytes, whose last byte
+    /// (the `max`th) carries at most `last` (the bits the type has left).
+    fn varint(&mut self, max: u32, last: u8) -> Result<u64, StateError> {
+        let mut out = 0u64;
+        for i in 0..max {
+            let v = self.byte()?;
+            out |= u64::from(v & 0x7f) << (7 * i);
+            if v & 0x80 == 0 {
+                if i == max - 1 && v > last {
+                    return Err(bad("bad varint"));
+                }
+                return Ok(out);
+            }
+        }
+        Err(bad("bad varint"))
+    }
+
+    fn u16(&mut self) -> Result<u16, StateError> {
+        Ok(self.varint(3, 0b11)? as u16)
+    }
+
+    fn u32(&mut self) -> Result<u32, StateError> {
+        Ok(self.varint(5, 0b1111)? as u32)
+    }
+
+    fn u64(&mut self) -> Result<u64, StateError> {
+        self.varint(10, 0b1)
+    }
+
+    fn len(&mut self) -> Result<usize, StateError> {
+        usize::try_from(self.u64()?).map_err(|_| bad("length out of range"))
+    }
+
+    fn bytes<const N: usize>(&mut self) -> Result<[u8; N], StateError> {
+        let s = self.take(N)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+
+    /// A postcard value of a type with serde's derive (the rare, nested parts).
+    fn value<T: Deserialize<'a>>(&mut self) -> Result<T, StateError> {
+        let (v, rest) = postcard::take_from_bytes::<T>(&self.b[self.at..])
+            .map_err(|e| StateError::Decode(format!("diff: {e}")))?;
+        self.at = self.b.len() - rest.len();
+        Ok(v)
+    }
+
+    /// One [`Unit`] (the enum's variants in declaration order).
+    fn unit(&mut self) -> Result<Unit, StateError> {
+        Ok(match self.u32()? {
+            0 => match self.byte()? {
+                0 => Unit::Bool(false),
+                1 => Unit::Bool(true),
+                _ => return Err(bad("bad bool")),
+            },
+            1 => Unit::I8(self.byte()? as i8),
+            2 => {
+                let n = self.u16()?;
+                Unit::I16(((n >> 1) as i16) ^ (-((n & 1) as i16)))
+            }
+            3 => {
+                let n = self.u32()?;
+                Unit::I32(((n >> 1) as i32) ^ (-((n & 1) as i32)))
+            }
+            4 => {
+                let n = self.u64()?;
+                Unit::I64(((n >> 1) as i64) ^ (-((n & 1) as i64)))
+            }
+            5 => Unit::U8(self.byte()?),
+            6 => Unit::U16(self.u16()?),
+            7 => Unit::U32(self.u32()?),
+            8 => Unit::U64(self.u64()?),
+            9 => Unit::F32(f32::from_le_bytes(self.bytes()?)),
+            10 => Unit::F64(f64::from_le_bytes(self.bytes()?)),
+            11 => {
+                let n = self.len()?;
+                let s = std::str::from_utf8(self.take(n)?).map_err(|_| bad("bad UTF-8"))?;
+                Unit::Str(s.to_string())
+            }
+            12 => Unit::Mip(Box::new(self.value::<Mip>()?)),
+            13 => Unit::Null,
+            v => return Err(bad(&format!("unit variant {v}"))),
+        })
+    }
+}
+
+/// The fields of a diff before its ops (postcard encodes a struct as its
+/// fields in order, so this prefix decodes on its own).
+#[derive(Deserialize)]
+struct Head {
+    base: u64,
+    target: u64,
+    deps: Vec<(SegUrl, u64)>,
+    next_serial: u32,
+    types: Vec<WireType>,
+}
+
+/// Why a unit check stopped: the bytes are malformed (the diff is refused
+/// at once) or the unit does not fit (reported once the bytes are known
+/// well formed, as a decode-then-check would).
+enum Stop {
+    Decode(StateError),
+    Check(StateError),
+}
+
+/// Applies the wire form of a diff of at most `max_bytes` to `seg`, all or
+/// nothing. Fails with [`StateError::LimitExceeded`] or
+/// [`StateError::Decode`] for the bytes, then the [`Segment::check`]
+/// statuses; `seg` is untouched on failure.
+pub fn apply_diff_bytes(
+    seg: &mut Segment,
+    bytes: &[u8],
+    max_bytes: usize,
+) -> Result<(), StateError> {
+    if bytes.len() > max_bytes {
+        return Err(StateError::LimitExceeded(format!(
+            "diff of {} bytes, more than {max_bytes}",
+            bytes.len()
+        )));
+    }
+    let (head, rest) = postcard::take_from_bytes::<Head>(bytes)
+        .map_err(|e| StateError::Decode(format!("diff: {e}")))?;
+    let mut cur = Cursor {
+        b: bytes,
+        at: bytes.len() - rest.len(),
+    };
+    let nops = cur.len()?;
+    let ops_at = cur.at;
+    let types = resolve_types(&head.types)?;
+    let lim = seg.limits().types;
+
+    // Pass 1: decode and check everything; keep only the allocations.
+    let mut allocs = VecDeque::new();
+    let mut units = 0u64;
+    let mut refused: Option<StateError> = None;
+    let mut ov = Overlay::new(seg);
+    // The block the last write checked, its units and layout period (reset
+    // by every Alloc and Free, which change what is live).
+    let mut last: Option<(u32, u64, Option<Vec<PrimKind>>)> = None;
+    for _ in 0..nops {
+        let op = cur.u32()?;
+        if op != 2 {
+            last = None;
+        }
+        match op {
+            0 => {
+                let (serial, name, ty, data) =
+                    cur.value::<(u32, Option<String>, u32, Vec<Unit>)>()?;
+                let ty = ty_at(&types, ty)?;
+                units = units.saturating_add(data.len() as u64);
+                if refused.is_none() {
+                    refused = ov.check_alloc(serial, &name, &ty, &data).err();
+                }
+                allocs.push_back((cur.at, serial, Block { name, ty, data }));
+            }
+            1 => {
+                let serial = cur.u32()?;
+                if refused.is_none() {
+                    refused = ov.check_free(serial).err();
+                }
+            }
+            2 => {
+                let serial = cur.u32()?;
+                let start = cur.u64()?;
+                let n = cur.len()? as u64;
+                units = units.saturating_add(n);
+                let mut read = 0u64;
+                let fits = |units: u64| n > 0 && start.checked_add(n).is_some_and(|e| e <= units);
+                let cached = match &last {
+                    Some((s, units, Some(period))) if *s == serial && fits(*units) => Some(period),
+                    _ => None,
+                };
+                if let (None, Some(period)) = (&refused, cached) {
+                    // The same block as the last write: check by period.
+                    let p = period.len() as u64;
+                    let mut at = start % p;
+                    while read < n {
+                        let u = cur.unit()?;
+                        read += 1;
+                        if let Err(e) = u.check(period[at as usize], &lim) {
+                            refused = Some(e);
+                            break;
+                        }
+                        at += 1;
+                        if at == p {
+                            at = 0;
+                        }
+                    }
+                } else if refused.is_none() {
+                    match ov.write_type(serial, start, n) {
+                        Ok(ty) => {
+                            let walked = ty.walk_kinds(start, n, &mut |k| {
+                                let u = cur.unit().map_err(Stop::Decode)?;
+                                read += 1;
+                                u.check(k, &lim).map_err(Stop::Check)
+                            });
+                            last = Some((serial, ty.units(), period_of(&ty)));
+                            match walked {
+                                Ok(seen) if seen == n => {}
+                                Ok(_) => {
+                                    refused = Some(StateError::BadDiff("write past the end".into()))
+                                }
+                                Err(Stop::Decode(e)) => return Err(e),
+                                Err(Stop::Check(e)) => refused = Some(e),
+                            }
+                        }
+                        Err(e) => refused = Some(e),
+                    }
+                }
+                // What was not checked is still read: the bytes must be whole.
+                for _ in read..n {
+                    cur.unit()?;
+                }
+            }
+            v => return Err(bad(&format!("op variant {v}"))),
+        }
+    }
+    if cur.at != bytes.len() {
+        return Err(bad(&format!("{} trailing bytes", bytes.len() - cur.at)));
+    }
+    let deps = deps_from(head.deps)?;
+    seg.check_head(head.base, head.target, nops, units, head.next_serial, &deps)?;
+    if let Some(e) = refused {
+        return Err(e);
+    }
+
+    // Pass 2: the same ops again, applied. Every read below succeeded in
+    // pass 1 on the same bytes, so none of its `?` can leave a half-applied
+    // diff behind.
+    let mut cur = Cursor {
+        b: bytes,
+        at: ops_at,
+    };
+    let fail = || StateError::Decode("diff: changed between passes".into());
+    for _ in 0..nops {
+        match cur.u32()? {
+            0 => {
+                let (end, serial, block) = allocs.pop_front().ok_or_else(fail)?;
+                cur.at = end;
+                seg.insert_block(serial, block);
+            }
+            1 => {
+                let serial = cur.u32()?;
+                seg.apply_op(&DiffOp::Free { serial });
+            }
+            _ => {
+                let serial = cur.u32()?;
+                let start = cur.u64()? as usize;
+                let n = cur.len()?;
+                let data = seg.block_data_mut(serial).ok_or_else(fail)?;
+                for slot in &mut data[start..start + n] {
+                    *slot = cur.unit()?;
+                }
+            }
+        }
+    }
+    seg.finish_diff(head.target, head.next_serial, &deps);
+    Ok(())
+}
