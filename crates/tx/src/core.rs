@@ -568,11 +568,10 @@ impl TxCore {
         };
         out.push(Action::Send(
             node,
-            TxMsg::Prepare {
+            TxMsg::DelegatedPrepare {
                 tid: self.tid,
                 incarnation: child.incarnation,
                 aborted_subs: self.aborted_subs.clone(),
-                one_phase: true,
             },
         ));
     }
@@ -618,7 +617,6 @@ impl TxCore {
                         tid: self.tid,
                         incarnation: child.incarnation,
                         aborted_subs: subs.clone(),
-                        one_phase: false,
                     },
                 ));
             }
@@ -1041,7 +1039,6 @@ impl TxCore {
                                 tid: self.tid,
                                 incarnation: c.incarnation,
                                 aborted_subs: subs.clone(),
-                                one_phase: false,
                             },
                         ));
                     }

@@ -69,11 +69,6 @@ pub enum TxMsg {
         incarnation: Incarnation,
         /// Sub-transactions that aborted (their effects must not commit).
         aborted_subs: Vec<SubPath>,
-        /// Sent by a coordinator with no durable state of its own to its
-        /// only child: the receiver may decide the outcome itself (force a
-        /// commit record instead of a prepare record, commit, and send the
-        /// decision up as `Decision`), or vote as usual.
-        one_phase: bool,
     },
     /// The answer to Prepare.
     Vote {
@@ -173,6 +168,19 @@ pub enum TxMsg {
         /// The span the receiver's spans of this transaction are children of.
         trace: TraceParent,
     },
+    /// A Prepare that hands the decision to its receiver: sent by a
+    /// coordinator with no durable state of its own to its only child, which
+    /// may decide the outcome itself (force a commit record instead of a
+    /// prepare record, commit, and send the decision up as `Decision`) or
+    /// vote as usual. Its fields and encoding are the Prepare's.
+    DelegatedPrepare {
+        /// The transaction.
+        tid: Tid,
+        /// The receiver's incarnation as seen by the sender.
+        incarnation: Incarnation,
+        /// Sub-transactions that aborted (their effects must not commit).
+        aborted_subs: Vec<SubPath>,
+    },
 }
 
 /// A W3C trace context (`traceparent`) in binary: the span that a message's
@@ -193,6 +201,7 @@ impl TxMsg {
         match self {
             TxMsg::Prepare { tid, .. }
             | TxMsg::TracedPrepare { tid, .. }
+            | TxMsg::DelegatedPrepare { tid, .. }
             | TxMsg::Vote { tid, .. }
             | TxMsg::VoteAfter { tid, .. }
             | TxMsg::Decision { tid, .. }
@@ -293,6 +302,13 @@ mod tests {
                 prop::collection::vec(arb_tid(), 0..3)
             )
                 .prop_map(|(tid, vote, after)| TxMsg::VoteAfter { tid, vote, after }),
+            (arb_tid(), any::<u32>(), arb_subs()).prop_map(|(tid, i, aborted_subs)| {
+                TxMsg::DelegatedPrepare {
+                    tid,
+                    incarnation: Incarnation(i),
+                    aborted_subs,
+                }
+            }),
             (
                 arb_tid(),
                 any::<u32>(),
@@ -383,9 +399,18 @@ mod tests {
         ];
         assert_eq!(postcard::to_allocvec(&traced).unwrap(), golden);
         assert_eq!(postcard::from_bytes::<TxMsg>(&golden).unwrap(), traced);
+        let delegated = TxMsg::DelegatedPrepare {
+            tid: t1_1_5(),
+            incarnation: Incarnation(2),
+            aborted_subs: vec![SubPath(vec![1])],
+        };
+        let mut golden = old;
+        golden[0] = 0x0c; // the Prepare's bytes under variant 12
+        assert_eq!(postcard::to_allocvec(&delegated).unwrap(), golden);
+        assert_eq!(postcard::from_bytes::<TxMsg>(&golden).unwrap(), delegated);
         // A variant past the last is refused, never mistaken for another.
         let mut unknown = golden;
-        unknown[0] = 12;
+        unknown[0] = 13;
         assert!(postcard::from_bytes::<TxMsg>(&unknown).is_err());
     }
 }

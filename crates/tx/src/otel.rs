@@ -185,7 +185,9 @@ impl Traces {
     pub fn on_receive(&self, node: weft_wire::NodeId, msg: &TxMsg) -> Option<tracing::Span> {
         let tid = msg.tid();
         let (span, carried) = match msg {
-            TxMsg::Prepare { .. } => (tracing::debug_span!("tx.prepare", %tid, %node), None),
+            TxMsg::Prepare { .. } | TxMsg::DelegatedPrepare { .. } => {
+                (tracing::debug_span!("tx.prepare", %tid, %node), None)
+            }
             TxMsg::TracedPrepare { trace, .. } => (
                 tracing::debug_span!("tx.prepare", %tid, %node),
                 from_wire(trace),
@@ -212,7 +214,10 @@ impl Traces {
             carried.clone()
         };
         let _ = span.set_parent(parent(parent_sc.unwrap_or_else(|| tid_span_context(tid))));
-        if matches!(msg, TxMsg::Prepare { .. } | TxMsg::TracedPrepare { .. }) {
+        if matches!(
+            msg,
+            TxMsg::Prepare { .. } | TxMsg::TracedPrepare { .. } | TxMsg::DelegatedPrepare { .. }
+        ) {
             let own = context_of(&span);
             let mut map = self.0.lock();
             let e = map.entry(tid).or_default();

@@ -144,15 +144,16 @@ impl Sim {
 
     fn deliver(&mut self, from: NodeId, to: NodeId, msg: TxMsg) {
         let input = match msg {
-            TxMsg::Prepare {
+            TxMsg::Prepare { aborted_subs, .. } => Input::Prepare {
+                from,
                 aborted_subs,
-                one_phase,
-                ..
-            } => Input::Prepare {
+                one_phase: false,
+            },
+            TxMsg::DelegatedPrepare { aborted_subs, .. } => Input::Prepare {
                 from,
                 aborted_subs,
                 // A driver whose resources do not allow deciding clears it.
-                one_phase: one_phase && !self.refuse_one_phase.contains(&to),
+                one_phase: !self.refuse_one_phase.contains(&to),
             },
             TxMsg::Vote { vote, .. } => Input::Vote { from, vote },
             TxMsg::Decision { commit: true, .. } => Input::CommitDecision { from },
@@ -756,14 +757,9 @@ fn the_delegating_coordinator_commits_its_resources_only_after_the_decision() {
 fn a_lost_one_phase_prepare_is_sent_again() {
     let mut sim = Sim::new(&[(1, 2)], &[(1, VOLATILE), (2, DURABLE)]).delegating();
     sim.input(n(1), Input::Commit);
-    let (_, _, m) = sim.run_until(|_, _, m| matches!(m, TxMsg::Prepare { .. }));
-    assert!(matches!(
-        m,
-        TxMsg::Prepare {
-            one_phase: true,
-            ..
-        }
-    ));
+    let (_, _, m) = sim
+        .run_until(|_, _, m| matches!(m, TxMsg::Prepare { .. } | TxMsg::DelegatedPrepare { .. }));
+    assert!(matches!(m, TxMsg::DelegatedPrepare { .. }));
     sim.tick(Duration::from_millis(1));
     sim.tick(Duration::from_secs(1));
     sim.settle();
@@ -820,7 +816,8 @@ fn a_decider_forcing_its_commit_record_ignores_aborts_and_a_dead_coordinator() {
     let mut sim = Sim::new(&[(1, 2)], &[(1, VOLATILE), (2, DURABLE)]).delegating();
     sim.input(n(1), Input::Commit);
     // Deliver the one-phase Prepare; the decider's force stays pending.
-    let (f, t, m) = sim.run_until(|_, _, m| matches!(m, TxMsg::Prepare { .. }));
+    let (f, t, m) = sim
+        .run_until(|_, _, m| matches!(m, TxMsg::Prepare { .. } | TxMsg::DelegatedPrepare { .. }));
     sim.deliver(f, t, m);
     assert_eq!(sim.phase(2), Phase::Forcing);
     assert!(sim.cores[&n(2)].is_decider());

@@ -1631,14 +1631,19 @@ impl<R: ResourceRef> TmCore<R> {
     ) {
         let tid = msg.tid();
         let live = self.txs.contains_key(&tid);
+        let one_phase = matches!(msg, TxMsg::DelegatedPrepare { .. });
         let input = match msg {
             TxMsg::Prepare {
                 incarnation,
                 aborted_subs,
-                one_phase,
                 ..
             }
             | TxMsg::TracedPrepare {
+                incarnation,
+                aborted_subs,
+                ..
+            }
+            | TxMsg::DelegatedPrepare {
                 incarnation,
                 aborted_subs,
                 ..

@@ -475,7 +475,6 @@ fn forgotten_and_unknown_transactions_get_presumed_abort_answers() {
                 tid: other,
                 incarnation: Incarnation(1),
                 aborted_subs: vec![],
-                one_phase: false,
             },
         },
     );
