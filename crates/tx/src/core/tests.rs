@@ -81,16 +81,23 @@ impl Sim {
             if let Some(i) = self.queue.iter().position(|(f, t, m)| pick(*f, *t, m)) {
                 return self.queue.remove(i).expect("found");
             }
-            if let Some(node) = self.pending_force.pop() {
-                self.input(node, Input::Forced);
-            } else if let Some(node) = self.pending_lazy.pop() {
-                self.input(node, Input::LazyDurable);
-            } else if let Some((from, to, msg)) = self.queue.pop_front() {
-                self.deliver(from, to, msg);
-            } else {
-                panic!("nothing left in flight and no match");
-            }
+            assert!(self.step_once(), "nothing left in flight and no match");
         }
+    }
+
+    /// Completes one pending force, else one lazy write, else delivers the
+    /// oldest message in flight; false when nothing is left to do.
+    fn step_once(&mut self) -> bool {
+        if let Some(node) = self.pending_force.pop() {
+            self.input(node, Input::Forced);
+        } else if let Some(node) = self.pending_lazy.pop() {
+            self.input(node, Input::LazyDurable);
+        } else if let Some((from, to, msg)) = self.queue.pop_front() {
+            self.deliver(from, to, msg);
+        } else {
+            return false;
+        }
+        true
     }
 
     fn input(&mut self, node: NodeId, input: Input) {
@@ -186,17 +193,15 @@ impl Sim {
 
     /// Completes forces and delivers messages until nothing moves.
     fn settle(&mut self) {
-        loop {
-            if let Some(node) = self.pending_force.pop() {
-                self.input(node, Input::Forced);
-            } else if let Some(node) = self.pending_lazy.pop() {
-                self.input(node, Input::LazyDurable);
-            } else if let Some((from, to, msg)) = self.queue.pop_front() {
-                self.deliver(from, to, msg);
-            } else {
-                return;
-            }
-        }
+        while self.step_once() {}
+    }
+
+    /// Lets the resend timers fire once (a tick to arm them, one past their
+    /// period), then settles.
+    fn resend_and_settle(&mut self) {
+        self.tick(Duration::from_millis(1));
+        self.tick(Duration::from_secs(1));
+        self.settle();
     }
 
     fn tick(&mut self, by: Duration) {
@@ -745,9 +750,7 @@ fn the_delegating_coordinator_commits_its_resources_only_after_the_decision() {
     // The decision is lost: the decider sends it again until acknowledged.
     sim.settle();
     assert_eq!(sim.finished, None);
-    sim.tick(Duration::from_millis(1));
-    sim.tick(Duration::from_secs(1));
-    sim.settle();
+    sim.resend_and_settle();
     assert_eq!(sim.finished, Some(Outcome::Committed));
     assert!(sim.did(1, "commit"));
     assert_eq!(sim.phase(2), Phase::Done(Some(Outcome::Committed)));
@@ -760,9 +763,7 @@ fn a_lost_one_phase_prepare_is_sent_again() {
     let (_, _, m) = sim
         .run_until(|_, _, m| matches!(m, TxMsg::Prepare { .. } | TxMsg::DelegatedPrepare { .. }));
     assert!(matches!(m, TxMsg::DelegatedPrepare { .. }));
-    sim.tick(Duration::from_millis(1));
-    sim.tick(Duration::from_secs(1));
-    sim.settle();
+    sim.resend_and_settle();
     assert_eq!(sim.finished, Some(Outcome::Committed));
     assert_eq!(sim.total_forces(), 1);
 }
@@ -853,9 +854,7 @@ fn a_decider_recovered_committed_tells_the_coordinator() {
         n(2),
         TxCore::recovered_committed(tid(), None, children, cfg),
     );
-    sim.tick(Duration::from_millis(1));
-    sim.tick(Duration::from_secs(1));
-    sim.settle();
+    sim.resend_and_settle();
     assert_eq!(sim.finished, Some(Outcome::Committed));
     assert!(sim.did(1, "commit"));
     assert_eq!(sim.phase(2), Phase::Done(Some(Outcome::Committed)));
