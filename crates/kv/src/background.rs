@@ -13,7 +13,8 @@
 //! share this way, as RocksDB's low-priority compaction pool does.
 //!
 //! Must never run a merge at a higher priority than the caller's, nor hold
-//! the gate while it waits for anything but the merge it runs.
+//! the gate while it waits for anything but the merge it runs (which takes
+//! its own store's merge lock first, held by that store's bulk import).
 
 use parking_lot::Mutex;
 
@@ -61,7 +62,23 @@ const IOPRIO_CLASS_SHIFT: u32 = 13;
 #[cfg(target_os = "linux")]
 const IOPRIO_WHO_PROCESS: libc::c_long = 1;
 
-/// Lowers the calling thread's CPU priority to `nice` and its I/O priority
+/// The calling thread's nice value, from `/proc/thread-self/stat` (field
+/// 19; the command name, field 2, is in parentheses and may hold spaces).
+///
+/// Fails with the I/O error when the file cannot be read, or InvalidData
+/// when it does not hold the field.
+#[cfg(target_os = "linux")]
+fn thread_nice() -> std::io::Result<i32> {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat")?;
+    stat.rfind(')')
+        .and_then(|i| stat.get(i + 2..))
+        .and_then(|after| after.split(' ').nth(16))
+        .and_then(|f| f.parse().ok())
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "no nice field"))
+}
+
+/// Lowers the calling thread's CPU priority to `nice` (never raises it: a
+/// thread already nicer keeps its value) and its I/O priority
 /// to the idle class (Linux: both are per thread), so that the reads a merge
 /// makes of the merged table's leaves and the write-back its commit forces
 /// queue behind the log's forces. A thread can always lower its own
@@ -74,6 +91,9 @@ const IOPRIO_WHO_PROCESS: libc::c_long = 1;
 pub fn lower_priority(nice: i32) -> std::io::Result<()> {
     #[cfg(target_os = "linux")]
     {
+        // A privileged process could raise a thread that inherited a nicer
+        // value than `nice`; keep the nicer one.
+        let nice = nice.max(thread_nice()?);
         // SAFETY: gettid, setpriority and the ioprio_set system call take
         // plain integers, touch no memory of ours, and only change the
         // calling thread's own scheduling attributes; no invariant of the
@@ -106,11 +126,7 @@ mod tests {
 
     #[cfg(target_os = "linux")]
     fn own_nice() -> i32 {
-        // /proc/thread-self/stat: field 19 is the nice value; the command
-        // name (field 2) is in parentheses and may hold spaces.
-        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
-        let after = &stat[stat.rfind(')').unwrap() + 2..];
-        after.split(' ').nth(16).unwrap().parse().unwrap()
+        thread_nice().unwrap()
     }
 
     #[cfg(target_os = "linux")]
@@ -144,6 +160,19 @@ mod tests {
             (nice, class),
             "only the merge thread was lowered"
         );
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_thread_already_nicer_than_the_merge_nice_keeps_its_value() {
+        let inside = std::thread::spawn(|| {
+            lower_priority(MERGE_NICE + 5).unwrap();
+            lower_priority(MERGE_NICE).unwrap();
+            own_nice()
+        })
+        .join()
+        .unwrap();
+        assert!(inside >= MERGE_NICE + 5, "raised back to {inside}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
