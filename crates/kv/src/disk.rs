@@ -44,18 +44,22 @@
 //! rewritten once for all of them.
 //!
 //! ## Layout of the state
-//! - `base`: a read snapshot of the merged table;
-//! - `deltas`: read snapshots of the delta tables numbered past `merged`;
+//! - `dirty`: commits since the last flush began (`None`: deleted);
 //! - `flushing`: the overlay being written by a flush in progress (frozen);
-//! - `dirty`: commits since then (`None`: deleted).
+//! - `layers` ([`Layers`], immutable, replaced whole): read snapshots of the
+//!   delta tables numbered past `merged` with their Bloom filters, the
+//!   changes the newest delta was written from (kept in memory until the
+//!   next flush begins), and a read snapshot of the merged table.
 //!
 //! A read looks in `dirty`, then `flushing`, then the deltas newest first
-//! (skipping each delta whose Bloom filter, kept in memory, rules the key
-//! out: see [`crate::bloom`]), then `base`. A flush
+//! (the newest in memory; the others skipped when their Bloom filter rules
+//! the key out: see [`crate::bloom`]), then the merged table. The first two
+//! need the store's lock; the layers do not ([`DiskStore::lookup`] hands
+//! them out as a [`Lookup`]), so page reads never hold it. A flush
 //! ([`DiskStore::begin_flush`], [`FlushJob::write`],
 //! [`DiskStore::end_flush`]) moves `dirty` to `flushing` in O(1) under the
-//! store's lock, writes it as a new delta outside the lock, and then reads
-//! it as one. A checkpoint is a flush committed `Immediate` with its log
+//! store's lock, writes it as a new delta, reopens the deltas and builds
+//! the new one's filter outside the lock, and then reads it as one. A checkpoint is a flush committed `Immediate` with its log
 //! position; a spill (the overlay passed its bound between checkpoints) is
 //! a flush committed with `Durability::None`, so a crash forgets it together
 //! with everything after the last checkpoint, and recovery replays weft's
@@ -249,6 +253,144 @@ type Table = ReadOnlyTable<&'static [u8], &'static [u8]>;
 /// One entry of a layer as a range walk yields it (`None`: deleted).
 type Entry = Result<(Bytes, Option<Bytes>), DiskError>;
 
+/// One delta table beneath the overlays.
+struct Delta {
+    seq: u64,
+    table: Table,
+    /// Its entries.
+    entries: u64,
+    /// A Bloom filter of its keys: a read skips the deltas that certainly
+    /// do not hold its key. Shared by the snapshots that reopen the table.
+    filter: Arc<Bloom>,
+}
+
+/// The immutable layers beneath a store's overlays: the delta tables
+/// numbered past the last merge (oldest first) with their filters, and the
+/// merged table, each a read snapshot of its file.
+///
+/// A value is never changed in place: a flush or a merge that ends replaces
+/// the store's layers with a new `Layers` whose content is the same for
+/// every key not in the flushed overlay. So a reader that found a key in
+/// neither overlay may take the layers under the store's lock and search
+/// them after releasing it ([`Lookup::Below`]): commits and other reads go
+/// on meanwhile, and the answer is the one the lock would have given as
+/// long as nobody commits that key in between, which the caller's key lock
+/// guarantees (two-phase locking).
+#[derive(Clone)]
+pub struct Layers {
+    /// The merged table.
+    base: Arc<Table>,
+    deltas: Vec<Arc<Delta>>,
+    /// The changes the newest delta was written from, kept in memory from
+    /// the end of its flush to the start of the next one: the keys changed
+    /// most recently are the likeliest to be read again (an account of a
+    /// scale-1 DebitCredit is in the newest delta 70% of the time), and a
+    /// lookup here costs no page read. (redb drops a file's whole read
+    /// cache whenever a commit grows or shrinks it, which the delta file
+    /// does at nearly every flush.) The memory it holds is the overlay's,
+    /// which the flush would otherwise free: a store holds at most two
+    /// overlays either way (changes and this, or changes and the one
+    /// being flushed).
+    newest: Option<Arc<Overlay>>,
+    /// Entries over `deltas`.
+    delta_entries: u64,
+    /// The delta file and the main file, for errors.
+    path: Arc<Path>,
+    main_path: Arc<Path>,
+}
+
+impl fmt::Debug for Layers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Layers")
+            .field("deltas", &self.seqs())
+            .field("delta_entries", &self.delta_entries)
+            .finish()
+    }
+}
+
+impl Layers {
+    fn new(
+        base: Arc<Table>,
+        deltas: Vec<Arc<Delta>>,
+        newest: Option<Arc<Overlay>>,
+        path: Arc<Path>,
+        main_path: Arc<Path>,
+    ) -> Layers {
+        let delta_entries = deltas.iter().map(|d| d.entries).sum();
+        Layers {
+            base,
+            deltas,
+            newest,
+            delta_entries,
+            path,
+            main_path,
+        }
+    }
+
+    /// The delta numbers, oldest first.
+    fn seqs(&self) -> Vec<u64> {
+        self.deltas.iter().map(|d| d.seq).collect()
+    }
+
+    /// The value at `key` in the deltas (newest first, skipping those whose
+    /// filter rules the key out) and else in the merged table.
+    ///
+    /// Fails with [`DiskError::Engine`] when the engine cannot read, and
+    /// [`DiskError::Corrupt`] for a delta value that does not decode.
+    pub fn get(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
+        let mut deltas = self.deltas.iter().rev();
+        if let Some(newest) = &self.newest {
+            // It holds exactly the newest delta's entries.
+            if let Some(v) = newest.get(key) {
+                return Ok(v.clone());
+            }
+            deltas.next();
+        }
+        for d in deltas {
+            if !d.filter.may_contain(key.as_ref()) {
+                continue;
+            }
+            let got = d
+                .table
+                .get(key.as_ref())
+                .map_err(|e| engine_error(&self.path)(e.into()))?;
+            if let Some(g) = got {
+                return decode_delta(g.value()).ok_or_else(|| DiskError::Corrupt {
+                    path: self.path.to_path_buf(),
+                    reason: format!("the delta value at {key:?} has no valid tag"),
+                });
+            }
+        }
+        let got = self
+            .base
+            .get(key.as_ref())
+            .map_err(|e| engine_error(&self.main_path)(e.into()))?;
+        Ok(got.map(|g| Bytes::copy_from_slice(g.value())))
+    }
+}
+
+/// Where a read of one key stands once the overlays were searched.
+#[derive(Debug)]
+pub enum Lookup {
+    /// Found in memory (`None`: deleted or never written).
+    Found(Option<Bytes>),
+    /// In none of the overlays: to be searched in these layers, which need
+    /// no lock (see [`Layers`]).
+    Below(Arc<Layers>),
+}
+
+impl Lookup {
+    /// The value at `key`.
+    ///
+    /// Fails as [`Layers::get`] does.
+    pub fn value(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
+        match self {
+            Lookup::Found(v) => Ok(v.clone()),
+            Lookup::Below(layers) => layers.get(key),
+        }
+    }
+}
+
 /// The committed data of a store on disk.
 pub struct DiskStore {
     main: Arc<Database>,
@@ -256,17 +398,10 @@ pub struct DiskStore {
     /// The delta file.
     path: PathBuf,
     main_path: PathBuf,
-    /// The merged table.
-    base: Table,
-    /// The last delta merged into `base`.
+    /// The merged table and the deltas past `merged`.
+    layers: Arc<Layers>,
+    /// The last delta merged into the merged table.
     merged: u64,
-    /// Delta tables numbered past `merged`, oldest first.
-    deltas: Vec<(u64, Table)>,
-    /// A Bloom filter of each delta's keys, by delta number: a read skips
-    /// the deltas that certainly do not hold its key.
-    filters: std::collections::HashMap<u64, Bloom>,
-    /// Entries over `deltas`.
-    delta_entries: u64,
     /// Merged deltas still in the delta file (the next flush drops them).
     obsolete: Vec<u64>,
     next_seq: u64,
@@ -290,7 +425,7 @@ impl fmt::Debug for DiskStore {
             .field("path", &self.path)
             .field("dirty", &self.dirty.len())
             .field("flushing", &self.flushing.as_ref().map(|f| f.len()))
-            .field("deltas", &self.deltas.len())
+            .field("deltas", &self.layers.deltas.len())
             .field("merged", &self.merged)
             .finish()
     }
@@ -329,6 +464,7 @@ fn open_file(
     match backend {
         Some(factory) => {
             let backend = factory(file).map_err(io_err("opening the backend"))?;
+            pad_lost_growth(backend.as_ref()).map_err(io_err("reading the header"))?;
             builder
                 .create_with_backend(Boxed(backend))
                 .map_err(|e| engine(e.into()))
@@ -346,7 +482,11 @@ fn open_file(
                     .open(file)
                     .map_err(io_err("opening the file"))?
             };
-            let db = builder.create_file(f).map_err(|e| engine(e.into()))?;
+            let backend = redb::backends::FileBackend::new(f).map_err(|e| engine(e.into()))?;
+            pad_lost_growth(&backend).map_err(io_err("reading the header"))?;
+            let db = builder
+                .create_with_backend(backend)
+                .map_err(|e| engine(e.into()))?;
             if fresh {
                 dur.sync_dir(dir).map_err(io_err("syncing the directory"))?;
             }
@@ -408,38 +548,119 @@ fn ensure_tables(db: &Database, names: &[&str], path: &Path) -> Result<(), DiskE
     tx.commit().map_err(|e| engine(e.into()))
 }
 
-/// Opens the delta tables `seqs` from a fresh snapshot of the delta file.
-fn open_deltas(db: &Database, path: &Path, seqs: &[u64]) -> Result<Vec<(u64, Table)>, DiskError> {
+/// The length redb's header at the start of `header` says its file has,
+/// or `None` when `header` is not one (too short, no magic number). The
+/// fields are those of redb's file format (2.x: `docs/design.md` of redb,
+/// "Database header"): the page size, the header pages and data pages of a
+/// full region, the number of full regions and the data pages of a trailing
+/// partial one, after a 9-byte magic number, the god byte and two bytes of
+/// padding; the regions follow one page of database header.
+pub(crate) fn redb_layout_len(header: &[u8]) -> Option<u64> {
+    const MAGIC: [u8; 9] = [b'r', b'e', b'd', b'b', 0x1A, 0x0A, 0xA9, 0x0D, 0x0A];
+    if header.len() < 32 || header[..9] != MAGIC {
+        return None;
+    }
+    let field = |at: usize| -> Option<u64> {
+        Some(u64::from(u32::from_le_bytes(
+            header[at..at + 4].try_into().ok()?,
+        )))
+    };
+    let (page, region_header, region_data, full, trailing) =
+        (field(12)?, field(16)?, field(20)?, field(24)?, field(28)?);
+    let full_len = full.checked_mul(region_header.checked_add(region_data)?)?;
+    let trailing_len = if trailing > 0 {
+        region_header.checked_add(trailing)?
+    } else {
+        0
+    };
+    page.checked_mul(1u64.checked_add(full_len)?.checked_add(trailing_len)?)
+}
+
+/// Pads an engine file with zeros up to the length its header names, when
+/// it is shorter: what a power loss leaves when it kept the header and
+/// lost the file's growth.
+///
+/// redb grows a file (`set_len`) before writing a commit's pages, and
+/// writes its header (already on disk, in the first block) before forcing
+/// both. A power loss may then keep the header's new block and lose the
+/// growth the file system's journal had not recorded yet. redb 2.6 refuses
+/// such a file with an assertion (a panic at open: the node could never
+/// start again), although the commit that header describes was never
+/// acknowledged and its repair would go back to the one before. Padded,
+/// the file opens and redb's repair runs (the pages it lost read as zeros,
+/// so their checksums fail). A file at least as long as its header's
+/// layout, or without redb's header, is left as it is.
+///
+/// Fails with the backend's I/O error.
+fn pad_lost_growth(backend: &dyn StorageBackend) -> io::Result<()> {
+    let len = backend.len()?;
+    if len < 32 {
+        return Ok(());
+    }
+    let header = backend.read(0, 32)?;
+    match redb_layout_len(&header) {
+        Some(want) if want > len => {
+            tracing::warn!(
+                len,
+                want,
+                "kv: an engine file is shorter than its header says (growth lost in a power loss); padding it for repair"
+            );
+            backend.set_len(want)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Opens the delta tables `seqs` from a fresh snapshot of the delta file
+/// (the snapshots of older ones are then released, so the engine may reuse
+/// the pages of deltas dropped since), with the filter `known` gives for a
+/// number, or else one built by a walk of the table (on opening: the
+/// entries are bounded by the merge bound).
+fn open_deltas(
+    db: &Database,
+    path: &Path,
+    seqs: &[u64],
+    known: impl Fn(u64) -> Option<(Arc<Bloom>, u64)>,
+) -> Result<Vec<Arc<Delta>>, DiskError> {
     let engine = engine_error(path);
     let tx = db.begin_read().map_err(|e| engine(e.into()))?;
     seqs.iter()
         .map(|&seq| {
             let name = delta_name(seq);
-            tx.open_table(delta_def(&name))
-                .map(|t| (seq, t))
-                .map_err(|e| engine(e.into()))
+            let table = tx
+                .open_table(delta_def(&name))
+                .map_err(|e| engine(e.into()))?;
+            let (filter, entries) = match known(seq) {
+                Some(k) => k,
+                None => {
+                    let entries = table.len().map_err(|e| engine(e.into()))?;
+                    let mut filter = Bloom::new(entries as usize);
+                    for r in table.iter().map_err(|e| engine(e.into()))? {
+                        let (k, _) = r.map_err(|e| engine(e.into()))?;
+                        filter.add(k.value());
+                    }
+                    (Arc::new(filter), entries)
+                }
+            };
+            Ok(Arc::new(Delta {
+                seq,
+                table,
+                entries,
+                filter,
+            }))
         })
         .collect()
 }
 
-/// The Bloom filters of `deltas` (on opening: one walk of each; their
-/// entries are bounded by the merge bound).
-fn build_filters(
-    deltas: &[(u64, Table)],
-    path: &Path,
-) -> Result<std::collections::HashMap<u64, Bloom>, DiskError> {
+/// Opens the merged table from a fresh snapshot of the main file.
+fn open_base(db: &Database, path: &Path) -> Result<Arc<Table>, DiskError> {
     let engine = engine_error(path);
-    let mut filters = std::collections::HashMap::new();
-    for (seq, t) in deltas {
-        let len = t.len().map_err(|e| engine(e.into()))? as usize;
-        let mut filter = Bloom::new(len);
-        for r in t.iter().map_err(|e| engine(e.into()))? {
-            let (k, _) = r.map_err(|e| engine(e.into()))?;
-            filter.add(k.value());
-        }
-        filters.insert(*seq, filter);
-    }
-    Ok(filters)
+    let table = db
+        .begin_read()
+        .map_err(|e| engine(e.into()))?
+        .open_table(DATA)
+        .map_err(|e| engine(e.into()))?;
+    Ok(Arc::new(table))
 }
 
 /// A walk of one table from `start` in key order.
@@ -594,24 +815,24 @@ impl DiskStore {
             )?
             .unwrap_or(0)
         };
-        let base = main
-            .begin_read()
-            .map_err(|e| main_engine(e.into()))?
-            .open_table(DATA)
-            .map_err(|e| main_engine(e.into()))?;
+        let base = open_base(&main, &main_file)?;
         let (obsolete, live): (Vec<u64>, Vec<u64>) = seqs.iter().partition(|s| **s <= merged);
-        let deltas = open_deltas(&deltas_db, &file, &live)?;
+        let deltas = open_deltas(&deltas_db, &file, &live, |_| None)?;
         let next_seq = merged.max(seqs.last().copied().unwrap_or(0)) + 1;
-        let mut store = DiskStore {
+        let layers = Layers::new(
+            base,
+            deltas,
+            None,
+            file.as_path().into(),
+            main_file.as_path().into(),
+        );
+        let store = DiskStore {
             main: Arc::new(main),
             deltas_db: Arc::new(deltas_db),
             path: file.clone(),
             main_path: main_file.clone(),
-            base,
+            layers: Arc::new(layers),
             merged,
-            filters: build_filters(&deltas, &file)?,
-            deltas,
-            delta_entries: 0,
             obsolete,
             next_seq,
             flushing: None,
@@ -623,21 +844,11 @@ impl DiskStore {
             opts,
             layers_count: parking_lot::Mutex::new(None),
         };
-        store.count_delta_entries()?;
         Ok(Opened {
             store,
             lsn,
             prepared,
         })
-    }
-
-    fn count_delta_entries(&mut self) -> Result<(), DiskError> {
-        let mut n = 0;
-        for (_, t) in &self.deltas {
-            n += t.len().map_err(|e| engine_error(&self.path)(e.into()))?;
-        }
-        self.delta_entries = n;
-        Ok(())
     }
 
     /// The delta file, whose durable commits are the checkpoints.
@@ -655,40 +866,20 @@ impl DiskStore {
     /// Fails with [`DiskError::Engine`] when the engine cannot read, and
     /// [`DiskError::Corrupt`] for a delta value that does not decode.
     pub fn get(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
-        if let Some(v) = self.dirty.get(key) {
-            return Ok(v.clone());
-        }
-        if let Some(v) = self.flushing.as_ref().and_then(|f| f.get(key)) {
-            return Ok(v.clone());
-        }
-        self.get_below_overlay(key)
+        self.lookup(key).value(key)
     }
 
-    /// The value at `key` in the deltas and the merged table.
-    fn get_below_overlay(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
-        for (seq, t) in self.deltas.iter().rev() {
-            if self
-                .filters
-                .get(seq)
-                .is_some_and(|f| !f.may_contain(key.as_ref()))
-            {
-                continue;
-            }
-            let got = t
-                .get(key.as_ref())
-                .map_err(|e| engine_error(&self.path)(e.into()))?;
-            if let Some(g) = got {
-                return decode_delta(g.value()).ok_or_else(|| DiskError::Corrupt {
-                    path: self.path.clone(),
-                    reason: format!("the delta value at {key:?} has no valid tag"),
-                });
-            }
+    /// The value at `key` if the overlays hold it, else the layers beneath
+    /// them, to search without the store's lock (see [`Layers`]). Costs two
+    /// in-memory lookups and, past them, a reference count.
+    pub fn lookup(&self, key: &Bytes) -> Lookup {
+        if let Some(v) = self.dirty.get(key) {
+            return Lookup::Found(v.clone());
         }
-        let got = self
-            .base
-            .get(key.as_ref())
-            .map_err(|e| engine_error(&self.main_path)(e.into()))?;
-        Ok(got.map(|g| Bytes::copy_from_slice(g.value())))
+        if let Some(v) = self.flushing.as_ref().and_then(|f| f.get(key)) {
+            return Lookup::Found(v.clone());
+        }
+        Lookup::Below(Arc::clone(&self.layers))
     }
 
     /// Records a committed write (`None`: delete).
@@ -711,9 +902,9 @@ impl DiskStore {
     /// entries) and no merge is running.
     pub fn should_merge(&self) -> bool {
         self.merging.is_none()
-            && !self.deltas.is_empty()
-            && (self.deltas.len() >= self.opts.merge_deltas
-                || self.delta_entries >= self.opts.merge_entries as u64)
+            && !self.layers.deltas.is_empty()
+            && (self.layers.deltas.len() >= self.opts.merge_deltas
+                || self.layers.delta_entries >= self.opts.merge_entries as u64)
     }
 
     /// Changes held in memory (keys), over the overlay being flushed too.
@@ -723,7 +914,7 @@ impl DiskStore {
 
     /// Delta tables not merged yet, and their entries.
     pub fn delta_stats(&self) -> (usize, u64) {
-        (self.deltas.len(), self.delta_entries)
+        (self.layers.deltas.len(), self.layers.delta_entries)
     }
 
     /// The changed layers (overlays and deltas), newest first, from `start`.
@@ -736,8 +927,8 @@ impl DiskStore {
             overlay_walk(&self.dirty, start),
             overlay_walk(self.flushing.as_deref().unwrap_or(empty), start),
         ];
-        for (_, t) in self.deltas.iter().rev() {
-            layers.push(walk(t, start, true, &self.path)?);
+        for d in self.layers.deltas.iter().rev() {
+            layers.push(walk(&d.table, start, true, &self.path)?);
         }
         Ok(layers)
     }
@@ -749,7 +940,7 @@ impl DiskStore {
     ///
     /// Fails with [`DiskError`] when the engine cannot read.
     pub fn key_count(&self) -> Result<u64, DiskError> {
-        let seqs: Vec<u64> = self.deltas.iter().map(|(s, _)| *s).collect();
+        let seqs = self.layers.seqs();
         let cached = self
             .layers_count
             .lock()
@@ -760,14 +951,14 @@ impl DiskStore {
             Some(n) => n,
             None => {
                 let main_err = engine_error(&self.main_path);
-                let mut n = self.base.len().map_err(|e| main_err(e.into()))? as i64;
+                let base = &self.layers.base;
+                let mut n = base.len().map_err(|e| main_err(e.into()))? as i64;
                 let mut layers: Vec<Box<dyn Iterator<Item = Entry> + '_>> = Vec::new();
-                for (_, t) in self.deltas.iter().rev() {
-                    layers.push(walk(t, &Bytes::new(), true, &self.path)?);
+                for d in self.layers.deltas.iter().rev() {
+                    layers.push(walk(&d.table, &Bytes::new(), true, &self.path)?);
                 }
                 merge_walk(layers, &Bytes::new(), |k, v| {
-                    let in_base = self
-                        .base
+                    let in_base = base
                         .get(k.as_ref())
                         .map_err(|e| main_err(e.into()))?
                         .is_some();
@@ -785,7 +976,7 @@ impl DiskStore {
             overlay_walk(self.flushing.as_deref().unwrap_or(&empty), &Bytes::new()),
         ];
         merge_walk(overlays, &Bytes::new(), |k, v| {
-            let below = self.get_below_overlay(k)?.is_some();
+            let below = self.layers.get(k)?.is_some();
             n += i64::from(v.is_some()) - i64::from(below);
             Ok(true)
         })?;
@@ -805,7 +996,7 @@ impl DiskStore {
     ) -> Result<(), DiskError> {
         let empty = Overlay::new();
         let mut layers = self.changed_layers(start, &empty)?;
-        layers.push(walk(&self.base, start, false, &self.main_path)?);
+        layers.push(walk(&self.layers.base, start, false, &self.main_path)?);
         merge_walk(layers, end, |k, v| Ok(v.is_none_or(|v| visit(k, v))))
     }
 
@@ -820,6 +1011,13 @@ impl DiskStore {
         let frozen = Arc::new(std::mem::take(&mut self.dirty));
         self.dirty_bytes = 0;
         self.flushing = Some(Arc::clone(&frozen));
+        if self.layers.newest.is_some() {
+            // The overlays held stay two (see `Layers::newest`).
+            self.layers = Arc::new(Layers {
+                newest: None,
+                ..Layers::clone(&self.layers)
+            });
+        }
         let seq = self.next_seq;
         self.next_seq += 1;
         self.flushing_seq = seq;
@@ -830,39 +1028,42 @@ impl DiskStore {
             entries: frozen,
             seq,
             dropped: self.flushing_dropped.clone(),
+            layers: Arc::clone(&self.layers),
+            written: parking_lot::Mutex::new(None),
         })
     }
 
-    /// Ends a flush. Written: reads move to the delta it wrote. Failed: the
-    /// frozen changes go back under the newer ones, to be written by the
-    /// next flush.
+    /// Ends the flush of `job`. Written (its [`FlushJob::write`] succeeded):
+    /// reads move to the delta it wrote, opened by the job. Not written (it
+    /// failed, or was not called): the frozen changes go back under the
+    /// newer ones, to be written by the next flush. Cheap: what is opened
+    /// and built for the new delta was done by the job, off the store's
+    /// lock.
     ///
-    /// Fails with [`DiskError::Engine`] when the new delta cannot be
-    /// opened; the frozen changes then stay in memory, still read first.
-    pub fn end_flush(&mut self, written: bool) -> Result<(), DiskError> {
+    /// Never fails today; the `Result` is kept for callers that propagate
+    /// an engine error from ending a flush.
+    pub fn end_flush(&mut self, job: &FlushJob) -> Result<(), DiskError> {
         let Some(frozen) = self.flushing.take() else {
             return Ok(());
         };
         let dropped = std::mem::take(&mut self.flushing_dropped);
-        if written {
-            let mut seqs: Vec<u64> = self.deltas.iter().map(|(s, _)| *s).collect();
-            if !frozen.is_empty() {
-                seqs.push(self.flushing_seq);
-            }
-            match open_deltas(&self.deltas_db, &self.path, &seqs) {
-                Ok(deltas) => {
-                    if !frozen.is_empty() {
-                        let filter = Bloom::build(frozen.len(), frozen.keys().map(|k| k.as_ref()));
-                        self.filters.insert(self.flushing_seq, filter);
-                    }
-                    self.deltas = deltas;
-                    return self.count_delta_entries();
-                }
-                Err(e) => {
-                    self.flushing = Some(frozen);
-                    return Err(e);
-                }
-            }
+        if let Some(opened) = job.written.lock().take() {
+            // A merge that ended meanwhile took some of the deltas the job
+            // reopened: keep the ones still unmerged, and the new one.
+            let deltas: Vec<Arc<Delta>> =
+                opened.into_iter().filter(|d| d.seq > self.merged).collect();
+            let newest = deltas
+                .last()
+                .filter(|d| d.seq == self.flushing_seq)
+                .map(|_| frozen);
+            self.layers = Arc::new(Layers::new(
+                Arc::clone(&self.layers.base),
+                deltas,
+                newest,
+                Arc::clone(&self.layers.path),
+                Arc::clone(&self.layers.main_path),
+            ));
+            return Ok(());
         }
         self.obsolete.extend(dropped);
         let frozen = Arc::try_unwrap(frozen).unwrap_or_else(|a| (*a).clone());
@@ -882,54 +1083,53 @@ impl DiskStore {
     /// Fails with [`DiskError::Engine`] when the deltas cannot be opened
     /// for the job.
     pub fn begin_merge(&mut self) -> Result<Option<MergeJob>, DiskError> {
-        if self.merging.is_some() || self.deltas.is_empty() {
+        let Some(last) = self.layers.deltas.last().filter(|_| self.merging.is_none()) else {
             return Ok(None);
-        }
-        let seqs: Vec<u64> = self.deltas.iter().map(|(s, _)| *s).collect();
-        let deltas = open_deltas(&self.deltas_db, &self.path, &seqs)?;
-        let upto = *seqs.last().expect("not empty");
+        };
+        let upto = last.seq;
         self.merging = Some(upto);
         Ok(Some(MergeJob {
             db: Arc::clone(&self.main),
             path: self.main_path.clone(),
             delta_path: self.path.clone(),
-            deltas,
+            layers: Arc::clone(&self.layers),
             upto,
+            written: parking_lot::Mutex::new(None),
         }))
     }
 
-    /// Ends a merge. Written: reads move to the merged table holding it and
-    /// skip the deltas it took (the next flush drops them). Failed: nothing
-    /// changes.
+    /// Ends the merge of `job`. Written (its [`MergeJob::write`]
+    /// succeeded): reads move to the merged table holding it, opened by the
+    /// job, and skip the deltas it took (the next flush drops them). Not
+    /// written: nothing changes.
     ///
-    /// Fails with [`DiskError::Engine`] when the merged table cannot be
-    /// opened again; the deltas then stay read as before.
-    pub fn end_merge(&mut self, written: bool) -> Result<(), DiskError> {
+    /// Never fails today; the `Result` is kept for callers that propagate
+    /// an engine error from ending a merge.
+    pub fn end_merge(&mut self, job: &MergeJob) -> Result<(), DiskError> {
         let Some(upto) = self.merging.take() else {
             return Ok(());
         };
-        if !written {
+        let Some(base) = job.written.lock().take() else {
             return Ok(());
-        }
-        let base = {
-            let engine = engine_error(&self.main_path);
-            self.main
-                .begin_read()
-                .map_err(|e| engine(e.into()))?
-                .open_table(DATA)
-                .map_err(|e| engine(e.into()))?
         };
-        self.base = base;
         self.merged = upto;
-        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deltas)
-            .into_iter()
-            .partition(|(s, _)| *s <= upto);
-        for (s, _) in &gone {
-            self.filters.remove(s);
-        }
-        self.obsolete.extend(gone.into_iter().map(|(s, _)| s));
-        self.deltas = kept;
-        self.count_delta_entries()
+        let (gone, kept): (Vec<_>, Vec<_>) = self
+            .layers
+            .deltas
+            .iter()
+            .cloned()
+            .partition(|d| d.seq <= upto);
+        self.obsolete.extend(gone.iter().map(|d| d.seq));
+        // The newest delta's changes stay in memory while it is unmerged.
+        let newest = self.layers.newest.clone().filter(|_| !kept.is_empty());
+        self.layers = Arc::new(Layers::new(
+            base,
+            kept,
+            newest,
+            Arc::clone(&self.layers.path),
+            Arc::clone(&self.layers.main_path),
+        ));
+        Ok(())
     }
 }
 
@@ -940,6 +1140,11 @@ pub struct FlushJob {
     entries: Arc<Overlay>,
     seq: u64,
     dropped: Vec<u64>,
+    /// The store's layers when the flush began (its deltas and filters).
+    layers: Arc<Layers>,
+    /// The deltas reopened after the write, the new one last: set by a
+    /// successful [`FlushJob::write`], taken by [`DiskStore::end_flush`].
+    written: parking_lot::Mutex<Option<Vec<Arc<Delta>>>>,
 }
 
 impl FlushJob {
@@ -959,9 +1164,34 @@ impl FlushJob {
     /// the log position and the prepared write sets and is durable when
     /// this returns; without, it is a spill, not durable, forgotten by a
     /// crash. Its cost follows the number of changes, not the store's size.
+    /// Then opens the deltas to read from a fresh snapshot and builds the
+    /// new one's filter, for [`DiskStore::end_flush`] (off the store's
+    /// lock, as the write).
     ///
-    /// Fails with [`DiskError`]; the engine then keeps its previous state.
+    /// Fails with [`DiskError`]; the engine then keeps its previous state
+    /// (or, when only the reopening failed, holds the delta, which the
+    /// store does not read: the frozen changes stay in memory and the next
+    /// flush writes them again under a new number).
     pub fn write(&self, checkpoint: Option<(u64, &[PreparedSet])>) -> Result<(), DiskError> {
+        self.write_delta(checkpoint)?;
+        let mut seqs = self.layers.seqs();
+        if !self.entries.is_empty() {
+            seqs.push(self.seq);
+        }
+        let opened = open_deltas(&self.db, &self.path, &seqs, |seq| {
+            if seq == self.seq {
+                let keys = self.entries.keys().map(|k| k.as_ref());
+                let filter = Bloom::build(self.entries.len(), keys);
+                return Some((Arc::new(filter), self.entries.len() as u64));
+            }
+            let d = self.layers.deltas.iter().find(|d| d.seq == seq)?;
+            Some((Arc::clone(&d.filter), d.entries))
+        })?;
+        *self.written.lock() = Some(opened);
+        Ok(())
+    }
+
+    fn write_delta(&self, checkpoint: Option<(u64, &[PreparedSet])>) -> Result<(), DiskError> {
         let engine = engine_error(&self.path);
         let mut tx = self.db.begin_write().map_err(|e| engine(e.into()))?;
         match checkpoint {
@@ -1014,22 +1244,20 @@ pub struct MergeJob {
     db: Arc<Database>,
     path: PathBuf,
     delta_path: PathBuf,
-    deltas: Vec<(u64, Table)>,
+    /// The store's layers when the merge began: it merges all their deltas.
+    layers: Arc<Layers>,
     upto: u64,
+    /// The merged table reopened after the write: set by a successful
+    /// [`MergeJob::write`], taken by [`DiskStore::end_merge`].
+    written: parking_lot::Mutex<Option<Arc<Table>>>,
 }
 
 impl MergeJob {
     /// Entries over the deltas this merge applies.
     ///
-    /// Fails with [`DiskError::Engine`] when a delta cannot be read.
+    /// Never fails today (the count is kept).
     pub fn entries(&self) -> Result<u64, DiskError> {
-        let mut n = 0;
-        for (_, t) in &self.deltas {
-            n += t
-                .len()
-                .map_err(|e| engine_error(&self.delta_path)(e.into()))?;
-        }
-        Ok(n)
+        Ok(self.layers.delta_entries)
     }
 
     /// Applies the deltas to the merged table and records the last one
@@ -1053,8 +1281,8 @@ impl MergeJob {
         {
             let mut data = tx.open_table(DATA).map_err(|e| engine(e.into()))?;
             let mut layers: Vec<Box<dyn Iterator<Item = Entry> + '_>> = Vec::new();
-            for (_, t) in self.deltas.iter().rev() {
-                layers.push(walk(t, &Bytes::new(), true, &self.delta_path)?);
+            for d in self.layers.deltas.iter().rev() {
+                layers.push(walk(&d.table, &Bytes::new(), true, &self.delta_path)?);
             }
             merge_walk(layers, &Bytes::new(), |k, v| {
                 match v {
@@ -1072,7 +1300,9 @@ impl MergeJob {
             meta.insert(META_MERGED, self.upto.to_le_bytes().as_slice())
                 .map_err(|e| engine(e.into()))?;
         }
-        tx.commit().map_err(|e| engine(e.into()))
+        tx.commit().map_err(|e| engine(e.into()))?;
+        *self.written.lock() = Some(open_base(&self.db, &self.path)?);
+        Ok(())
     }
 }
 
@@ -1108,12 +1338,20 @@ pub fn import(
         }
         tx.commit().map_err(|e| engine(e.into()))?;
     }
-    store.merging = Some(covers);
-    store.end_merge(true)?;
+    let base = open_base(&store.main, &store.main_path)?;
+    store.merged = covers;
+    store.obsolete.extend(store.layers.seqs());
+    store.layers = Arc::new(Layers::new(
+        base,
+        Vec::new(),
+        None,
+        Arc::clone(&store.layers.path),
+        Arc::clone(&store.layers.main_path),
+    ));
     store.dirty.clear();
     store.dirty_bytes = 0;
     let job = store.begin_flush().expect("no flush runs during recovery");
     let res = job.write(Some((lsn, prepared)));
-    store.end_flush(res.is_ok())?;
+    store.end_flush(&job)?;
     res
 }

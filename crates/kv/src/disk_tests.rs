@@ -70,11 +70,11 @@ impl SimDisk {
 
     /// Power loss: unsynced writes are lost, except those `keep` picks (a
     /// disk may have written some of them before the power went).
-    fn crash(&mut self, mut keep: impl FnMut() -> bool) {
+    fn crash(&mut self, mut keep: impl FnMut(&Change) -> bool) {
         for f in self.files.values_mut() {
             let mut after = f.durable.clone();
             for change in std::mem::take(&mut f.unsynced) {
-                if keep() {
+                if keep(&change) {
                     change.apply(&mut after);
                 }
             }
@@ -86,6 +86,22 @@ impl SimDisk {
 
     fn bytes(&self) -> usize {
         self.files.values().map(|f| f.volatile.len()).sum()
+    }
+}
+
+/// Ways a power loss treats the unsynced changes: 0 loses them all, 1
+/// keeps them all, 2 keeps each with even odds, 3 keeps only writes to the
+/// first page (the engine's header) and loses every change of length: the
+/// disk wrote a block the file already had, but the file system's journal
+/// never recorded the file's growth.
+const KEEP_MODES: u64 = 4;
+
+fn keep(mode: u64, change: &Change, rng: &mut impl Rng) -> bool {
+    match mode {
+        0 => false,
+        1 => true,
+        2 => rng.gen_bool(0.5),
+        _ => matches!(change, Change::Write(off, _) if *off < 4096),
     }
 }
 
@@ -200,7 +216,7 @@ fn open(disk: &Arc<Mutex<SimDisk>>) -> crate::disk::Opened {
 fn checkpoint(store: &mut DiskStore, lsn: u64, prepared: &[PreparedSet]) -> Result<(), String> {
     let job = store.begin_flush().unwrap();
     let res = job.write(Some((lsn, prepared))).map_err(|e| e.to_string());
-    store.end_flush(res.is_ok()).map_err(|e| e.to_string())?;
+    store.end_flush(&job).map_err(|e| e.to_string())?;
     res
 }
 
@@ -226,7 +242,7 @@ fn scenario(die_at: Option<u64>) -> (Arc<Mutex<SimDisk>>, u64, bool) {
     }
     let job = store.begin_flush().unwrap();
     let spilled = job.write(None);
-    store.end_flush(spilled.is_ok()).unwrap();
+    store.end_flush(&job).unwrap();
     spilled.unwrap();
     for i in (1..300u32).step_by(7) {
         store.apply(b(format!("k{i:04}")), None);
@@ -278,15 +294,11 @@ fn a_crash_at_every_point_of_a_checkpoint_leaves_one_whole_checkpoint() {
     let (old, new) = (model(false), model(true));
     let (mut saw_old, mut saw_new) = (false, false);
     for die_at in 0..=total {
-        for keep_mode in 0..3u64 {
-            let seed = die_at * 3 + keep_mode;
+        for keep_mode in 0..KEEP_MODES {
+            let seed = die_at * KEEP_MODES + keep_mode;
             let (disk, _, ok) = scenario(Some(die_at));
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            disk.lock().crash(|| match keep_mode {
-                0 => false,
-                1 => true,
-                _ => rng.gen_bool(0.5),
-            });
+            disk.lock().crash(|c| keep(keep_mode, c, &mut rng));
             let opened = open(&disk);
             let got = contents(&opened.store);
             let ctx = format!("crash after op {die_at}/{total}, keep mode {keep_mode}, seed {seed}, checkpoint returned ok={ok}");
@@ -328,7 +340,7 @@ fn a_crash_after_a_spill_reverts_to_the_last_checkpoint() {
     store.apply(b("b"), Some(b("2")));
     let job = store.begin_flush().unwrap();
     job.write(None).unwrap();
-    store.end_flush(true).unwrap();
+    store.end_flush(&job).unwrap();
     assert_eq!(
         store.get(&b("a")).unwrap(),
         Some(b("2")),
@@ -337,7 +349,7 @@ fn a_crash_after_a_spill_reverts_to_the_last_checkpoint() {
     let ops = disk.lock().ops;
     disk.lock().die_at = Some(ops);
     drop(store);
-    disk.lock().crash(|| false);
+    disk.lock().crash(|_| false);
     let opened = open(&disk);
     assert_eq!(opened.lsn, Some(10));
     assert_eq!(contents(&opened.store), BTreeMap::from([(b("a"), b("1"))]));
@@ -348,7 +360,7 @@ fn merge(store: &mut DiskStore) -> Result<bool, String> {
         return Ok(false);
     };
     let res = job.write().map_err(|e| e.to_string());
-    store.end_merge(res.is_ok()).map_err(|e| e.to_string())?;
+    store.end_merge(&job).map_err(|e| e.to_string())?;
     res.map(|()| true)
 }
 
@@ -403,15 +415,11 @@ fn a_crash_at_every_point_of_a_merge_changes_nothing() {
         );
     }
     for die_at in 0..=total {
-        for keep_mode in 0..3u64 {
-            let seed = die_at * 3 + keep_mode;
+        for keep_mode in 0..KEEP_MODES {
+            let seed = die_at * KEEP_MODES + keep_mode;
             let (disk, _, ok) = merge_scenario(Some(die_at));
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            disk.lock().crash(|| match keep_mode {
-                0 => false,
-                1 => true,
-                _ => rng.gen_bool(0.5),
-            });
+            disk.lock().crash(|c| keep(keep_mode, c, &mut rng));
             let ctx = format!("crash after op {die_at}/{total} of a merge, keep mode {keep_mode}, seed {seed}, merge returned ok={ok}");
             let mut opened = open(&disk);
             assert_eq!(opened.lsn, Some(300), "{ctx}");
@@ -443,10 +451,22 @@ enum Step {
     Checkpoint,
     /// Merge the deltas into the main table.
     Merge,
+    /// Start a merge and leave it running (ended by `EndMerge`, spills and
+    /// checkpoints meanwhile).
+    BeginMerge,
+    /// Write and end the merge `BeginMerge` started.
+    EndMerge,
+    /// Take the lookup of a key as a reader holding its lock would, to be
+    /// finished later, after flushes and merges (until the key is written,
+    /// which the reader's lock would have held off).
+    Hold(u16),
     /// Crash and reopen: back to the last checkpoint (or the last merge).
     Crash,
     Scan(u16, u16, u8),
 }
+
+/// A model's state as of a flush, with that flush's count.
+type Flushed = (u64, BTreeMap<Bytes, Bytes>);
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
@@ -455,6 +475,9 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Spill),
         1 => Just(Step::Checkpoint),
         1 => Just(Step::Merge),
+        1 => Just(Step::BeginMerge),
+        1 => Just(Step::EndMerge),
+        2 => (0u16..2000).prop_map(Step::Hold),
         1 => Just(Step::Crash),
         2 => (0u16..2000, 0u16..2000, 1u8..50).prop_map(|(a, z, n)| Step::Scan(a, z, n)),
     ]
@@ -477,7 +500,8 @@ proptest! {
     /// A store whose data passes its page cache many times (a 16 KiB cache,
     /// up to 2000 keys of 200 bytes) and its overlay bound (64 changes)
     /// answers reads and scans as a model map does, across spills,
-    /// checkpoints and crashes.
+    /// checkpoints and crashes, with merges that end after flushes began
+    /// and ended, and lookups finished after the layers they took changed.
     #[test]
     fn a_store_larger_than_its_cache_behaves_like_a_map(
         steps in proptest::collection::vec(step(), 1..400),
@@ -487,34 +511,42 @@ proptest! {
         let reopen = || DiskStore::open(Path::new("/sim/kv"), &Durability::new(), opts.clone()).unwrap().store;
         let mut store = reopen();
         let mut live: BTreeMap<Bytes, Bytes> = BTreeMap::new();
-        let mut durable = live.clone();
-        // The state as of the last flush (what a merge makes durable).
-        let mut flushed = live.clone();
+        // What a crash goes back to, and the flush that made it (by count).
+        let mut durable = (0u64, live.clone());
+        // The state as of the last flush (what a merge makes durable), and
+        // that flush's count.
+        let mut flushed = (0u64, live.clone());
         let mut lsn = 0;
+        // A merge in progress, with the flushed state it covers.
+        let mut merging: Option<(crate::disk::MergeJob, Flushed)> = None;
+        // Lookups taken and not finished yet, with the value they must give.
+        let mut held: Vec<(Bytes, crate::disk::Lookup, Option<Bytes>)> = Vec::new();
         for (i, s) in steps.iter().enumerate() {
             match s {
                 Step::Put(k, v) => {
+                    held.retain(|(h, _, _)| *h != key(*k));
                     store.apply(key(*k), Some(value(*k, *v)));
                     live.insert(key(*k), value(*k, *v));
                 }
                 Step::Delete(k) => {
+                    held.retain(|(h, _, _)| *h != key(*k));
                     store.apply(key(*k), None);
                     live.remove(&key(*k));
                 }
                 Step::Spill => {
                     let job = store.begin_flush().unwrap();
                     let res = job.write(None);
-                    store.end_flush(res.is_ok()).unwrap();
+                    store.end_flush(&job).unwrap();
                     res.unwrap();
-                    flushed = live.clone();
+                    flushed = (flushed.0 + 1, live.clone());
                 }
                 Step::Checkpoint => {
                     lsn += 1;
                     checkpoint(&mut store, lsn, &[]).unwrap();
-                    durable = live.clone();
-                    flushed = live.clone();
+                    flushed = (flushed.0 + 1, live.clone());
+                    durable = flushed.clone();
                 }
-                Step::Merge => {
+                Step::Merge if merging.is_none() => {
                     // A merge is durable and may carry spills: after a
                     // crash the engine is at least as new as the merge
                     // (recovery replays the log over it).
@@ -522,14 +554,37 @@ proptest! {
                         durable = flushed.clone();
                     }
                 }
+                Step::Merge => {}
+                Step::BeginMerge => {
+                    if merging.is_none() {
+                        if let Some(job) = store.begin_merge().unwrap() {
+                            merging = Some((job, flushed.clone()));
+                        }
+                    }
+                }
+                Step::EndMerge => {
+                    if let Some((job, covered)) = merging.take() {
+                        job.write().unwrap();
+                        store.end_merge(&job).unwrap();
+                        // A checkpoint taken while it ran may be newer.
+                        if covered.0 > durable.0 {
+                            durable = covered;
+                        }
+                    }
+                }
+                Step::Hold(k) => {
+                    held.push((key(*k), store.lookup(&key(*k)), live.get(&key(*k)).cloned()));
+                }
                 Step::Crash => {
                     // The process dies: the engine's drop cannot write.
+                    held.clear();
+                    merging = None;
                     let ops = disk.lock().ops;
                     disk.lock().die_at = Some(ops);
                     drop(store);
-                    disk.lock().crash(|| false);
+                    disk.lock().crash(|_| false);
                     store = reopen();
-                    live = durable.clone();
+                    live = durable.1.clone();
                     flushed = durable.clone();
                 }
                 Step::Scan(a, z, n) => {
@@ -550,16 +605,57 @@ proptest! {
             if store.should_spill() {
                 let job = store.begin_flush().unwrap();
                 job.write(None).unwrap();
-                store.end_flush(true).unwrap();
-                flushed = live.clone();
+                store.end_flush(&job).unwrap();
+                flushed = (flushed.0 + 1, live.clone());
             }
             if i % 16 == 0 {
                 for k in (0u16..2000).step_by(97) {
                     prop_assert_eq!(store.get(&key(k)).unwrap(), live.get(&key(k)).cloned(), "get at step {}", i);
                 }
+                for (k, lookup, want) in &held {
+                    prop_assert_eq!(&lookup.value(k).unwrap(), want, "held lookup of {:?} at step {}", k, i);
+                }
                 prop_assert_eq!(store.key_count().unwrap(), live.len() as u64, "len at step {}", i);
             }
         }
+        for (k, lookup, want) in &held {
+            prop_assert_eq!(&lookup.value(k).unwrap(), want, "held lookup of {:?} at the end", k);
+        }
         prop_assert_eq!(contents(&store), live);
     }
+}
+
+/// The length read from a redb header is the file's own after a clean
+/// close (the header's layout covers the file exactly), for both files of
+/// a store that grew past redb's first allocation.
+#[test]
+fn the_layout_read_from_a_redb_header_is_the_file_length() {
+    let disk = Arc::new(Mutex::new(SimDisk::default()));
+    {
+        let mut store = open(&disk).store;
+        for i in 0..3000u32 {
+            store.apply(b(format!("k{i:05}")), Some(Bytes::from(vec![7u8; 300])));
+        }
+        checkpoint(&mut store, 1, &[]).unwrap();
+        assert!(merge(&mut store).unwrap());
+    }
+    let d = disk.lock();
+    assert_eq!(d.files.len(), 2);
+    for (name, f) in &d.files {
+        assert!(
+            f.volatile.len() > 1 << 20,
+            "{name} grew: {}",
+            f.volatile.len()
+        );
+        assert_eq!(
+            crate::disk::redb_layout_len(&f.volatile[..32]),
+            Some(f.volatile.len() as u64),
+            "{name}"
+        );
+    }
+    assert_eq!(crate::disk::redb_layout_len(&[0u8; 32]), None);
+    assert_eq!(
+        crate::disk::redb_layout_len(&d.files.values().next().unwrap().volatile[..31]),
+        None
+    );
 }

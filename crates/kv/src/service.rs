@@ -516,6 +516,16 @@ impl Kv {
             .map_err(|e| Failure::new(Status::TooLarge, format!("kv: {e}")))
     }
 
+    /// The value `xid` sees at `key`, which it holds a lock on: the store's
+    /// lock is held only for the in-memory part of the search, not for the
+    /// disk engine's page reads.
+    ///
+    /// Fails with Internal when the disk engine cannot read.
+    fn read_locked(&self, xid: &Xid, key: &Bytes) -> Result<Option<Bytes>, Failure> {
+        let lookup = self.inner.store.read().lookup(xid, key);
+        lookup.value(key).map_err(plugin_failure)
+    }
+
     async fn execute_one(
         &self,
         xid: &Xid,
@@ -526,13 +536,7 @@ impl Kv {
         match op {
             Op::Get(key) => {
                 self.lock(xid, &key, LockMode::Shared, deadline).await?;
-                Ok(Reply::Value(
-                    self.inner
-                        .store
-                        .read()
-                        .read(xid, &key)
-                        .map_err(plugin_failure)?,
-                ))
+                Ok(Reply::Value(self.read_locked(xid, &key)?))
             }
             Op::Put(key, value) => {
                 self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
@@ -546,13 +550,7 @@ impl Kv {
             }
             Op::Add(key, delta) => {
                 self.lock(xid, &key, LockMode::Exclusive, deadline).await?;
-                let current = match self
-                    .inner
-                    .store
-                    .read()
-                    .read(xid, &key)
-                    .map_err(plugin_failure)?
-                {
+                let current = match self.read_locked(xid, &key)? {
                     None => 0,
                     Some(v) => parse_int(&v).ok_or_else(|| {
                         Failure::new(
@@ -584,13 +582,7 @@ impl Kv {
                 for k in keys {
                     self.lock(xid, &k, LockMode::Shared, deadline).await?;
                     // Re-read under the lock: the value may have changed.
-                    if let Some(v) = self
-                        .inner
-                        .store
-                        .read()
-                        .read(xid, &k)
-                        .map_err(plugin_failure)?
-                    {
+                    if let Some(v) = self.read_locked(xid, &k)? {
                         rows.push((k, v));
                     }
                 }
@@ -938,7 +930,7 @@ impl Plugin for Kv {
                     .write()
                     .disk_mut()
                     .expect("on disk")
-                    .end_flush(true)
+                    .end_flush(&job)
                     .map_err(plugin_failure)?;
             }
             Checkpointed::Flush(job, prepared) => {
@@ -952,7 +944,7 @@ impl Plugin for Kv {
                     .write()
                     .disk_mut()
                     .expect("on disk")
-                    .end_flush(written.is_ok());
+                    .end_flush(&job);
                 written?;
                 ended.map_err(plugin_failure)?;
                 self.inner.checkpointed.store(at.get(), Ordering::Release);
@@ -1033,7 +1025,7 @@ fn merge_deltas(inner: &Inner) -> Result<(), Failure> {
     let started = Instant::now();
     let written = job.write().map_err(plugin_failure);
     let ended = match inner.store.write().disk_mut() {
-        Some(d) => d.end_merge(written.is_ok()).map_err(plugin_failure),
+        Some(d) => d.end_merge(&job).map_err(plugin_failure),
         None => Ok(()),
     };
     written?;
@@ -1080,7 +1072,7 @@ fn spill_overlay(inner: &Inner) -> Result<(), Failure> {
         .write()
         .disk_mut()
         .expect("on disk")
-        .end_flush(written.is_ok());
+        .end_flush(&job);
     written?;
     ended.map_err(plugin_failure)?;
     tracing::debug!(keys = job.len(), "kv: overlay spilled to the disk engine");

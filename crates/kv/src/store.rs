@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use weft_wire::{SubPath, Tid, Xid};
 
 use crate::api::Write;
-use crate::disk::{DiskError, DiskStore, PreparedSet};
+use crate::disk::{DiskError, DiskStore, Lookup, PreparedSet};
 
 /// Writes of one live branch, per sub-transaction path.
 #[derive(Default, Debug)]
@@ -114,9 +114,16 @@ impl Committed {
     ///
     /// Fails with [`DiskError`] when the engine cannot read.
     pub fn get(&self, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
+        self.lookup(key).value(key)
+    }
+
+    /// The committed value at `key` if memory holds it (the whole map, or
+    /// the disk engine's overlays), else the engine's layers to search
+    /// after the store's lock is released ([`Lookup::value`]).
+    pub fn lookup(&self, key: &Bytes) -> Lookup {
         match self {
-            Committed::Memory(m) => Ok(m.get(key).cloned()),
-            Committed::Disk(d) => d.get(key),
+            Committed::Memory(m) => Lookup::Found(m.get(key).cloned()),
+            Committed::Disk(d) => d.lookup(key),
         }
     }
 
@@ -235,19 +242,29 @@ impl Store {
     ///
     /// Fails with [`DiskError`] when the engine cannot read.
     pub fn read(&self, xid: &Xid, key: &Bytes) -> Result<Option<Bytes>, DiskError> {
+        self.lookup(xid, key).value(key)
+    }
+
+    /// What [`Store::read`] finds in memory, or the disk engine's layers
+    /// where the rest of the search goes: a caller that holds a lock on
+    /// `key` finishes it ([`Lookup::value`]) after releasing the store's
+    /// lock, so commits and other reads do not wait for the engine's page
+    /// reads. (The lock keeps every writer of `key` away until then; see
+    /// [`crate::disk::Layers`].)
+    pub fn lookup(&self, xid: &Xid, key: &Bytes) -> Lookup {
         if let Some(branch) = self.live.get(&xid.tid) {
             let mut path = Some(xid.path.clone());
             while let Some(p) = path {
                 if let Some(v) = branch.writes.get(&p).and_then(|w| w.get(key)) {
-                    return Ok(v.clone());
+                    return Lookup::Found(v.clone());
                 }
                 path = p.parent();
             }
         }
         if let Some(v) = self.latest_prepared(key) {
-            return Ok(v);
+            return Lookup::Found(v);
         }
-        self.committed.get(key)
+        self.committed.lookup(key)
     }
 
     /// The latest prepared write of `key` (`Some(None)`: a delete).
