@@ -36,9 +36,14 @@ pub const SERVER_NAME: &str = "weft-node";
 /// The first byte of a TLS handshake record (a ClientHello starts with it).
 pub(crate) const TLS_HANDSHAKE_BYTE: u8 = 0x16;
 
-/// Most plaintext bytes rustls buffers for one link before a writer must
-/// wait for the socket (the link's own queue holds the rest).
-const TLS_BUFFER_LIMIT: usize = 256 << 10;
+/// Most plaintext bytes rustls encrypts and holds for one link before they
+/// go to the socket (the link's own queue holds the rest). Small, so a
+/// large message leaves in slices of two records, each sent as soon as it
+/// is sealed: the receiving end decrypts the first while this end seals
+/// the next (with 256 KiB, a 1 MiB call's receiver waited for a quarter of
+/// it to be sealed, and `weft bench rpc`'s TLS bulk figure was about a
+/// tenth lower).
+const TLS_BUFFER_LIMIT: usize = 32 << 10;
 
 /// Why TLS settings could not be loaded.
 #[derive(Debug, thiserror::Error)]
