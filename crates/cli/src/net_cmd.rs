@@ -147,6 +147,15 @@ pub struct TlaArgs {
     /// Failure detector: a peer silent this long is dead.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub dead_after: Duration,
+    /// Test hook: as `weft net proxy --crash-at`.
+    #[arg(long, hide = true)]
+    pub crash_at: Option<weft_tx::CrashPoint>,
+    /// Test hook: as `weft net proxy --pause-at`.
+    #[arg(long, hide = true)]
+    pub pause_at: Option<PausePoint>,
+    /// Which transaction `--pause-at` holds.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub pause_tx: u64,
 }
 
 /// Flags of `weft net ls`.
@@ -224,15 +233,7 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         b = b.join(Seed::Tcp(resolve(seed)?));
     }
     if let Some(point) = a.crash_at {
-        let hook: weft_tx::CrashHook = Arc::new(|point, tid| {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "CRASHPOINT {point:?} {tid}");
-            let _ = out.flush();
-        });
-        b = b.tm_config(weft::TmConfig {
-            crash_at: Some((point, hook)),
-            ..weft::TmConfig::default()
-        });
+        b = b.tm_config(crash_config(point));
     }
     let node = b.start().await.context("the proxy node did not start")?;
     {
@@ -259,6 +260,20 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     node_cmd::wait_for_signal().await;
     node.shutdown().await;
     Ok(())
+}
+
+/// The transaction manager's settings of `--crash-at`: stop transactions
+/// at `point` and print `CRASHPOINT <point> <tid>`.
+fn crash_config(point: weft_tx::CrashPoint) -> weft::TmConfig {
+    let hook: weft_tx::CrashHook = Arc::new(|point, tid| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "CRASHPOINT {point:?} {tid}");
+        let _ = out.flush();
+    });
+    weft::TmConfig {
+        crash_at: Some((point, hook)),
+        ..weft::TmConfig::default()
+    }
 }
 
 /// The hook of `--pause-at`: holds the `nth` transaction to reach `at`
@@ -314,6 +329,7 @@ async fn tla(a: TlaArgs) -> anyhow::Result<()> {
         },
     );
     cfg.conn.logger.max_hold = a.max_hold;
+    cfg.pause = a.pause_at.map(|at| pause_hook(at, a.pause_tx));
     let logger = TlaLogger::new(cfg);
     let mut b = Node::builder(a.id)
         .listen(resolve(&a.node_listen)?)
@@ -325,6 +341,9 @@ async fn tla(a: TlaArgs) -> anyhow::Result<()> {
     }
     if let Some(seed) = a.join.first() {
         b = b.join(Seed::Tcp(resolve(seed)?));
+    }
+    if let Some(point) = a.crash_at {
+        b = b.tm_config(crash_config(point));
     }
     let node = b
         .start()
