@@ -233,18 +233,25 @@ pub(crate) async fn prepare(
     }
 }
 
+/// How long a released record may wait for another record's force before
+/// the log is asked to sync it on its own.
+const RELEASED_SYNC_AFTER: Duration = Duration::from_millis(200);
+
 /// Records that `tid`'s output was handed on to the peer. Not forced on
 /// the commit path (recovery only uses it to leave the output out of
-/// [`undeliverable`]): the next forced record covers it, and when none
-/// comes the log syncs it on its own within its lazy flush interval (5 ms
-/// by default). A logger killed before then reports the output as
-/// undeliverable although it left.
+/// [`undeliverable`]): the next transaction's forced record usually covers
+/// it; when none came within [`RELEASED_SYNC_AFTER`], the log syncs it on
+/// its own (within its lazy flush interval), so a busy connection costs no
+/// extra sync and an idle one's last release is durable after about
+/// 200 ms. A logger killed before then reports the output as undeliverable
+/// although it left.
 pub(crate) fn log_released(log: Option<&Log>, tid: Tid) {
     if let Some(log) = log {
         if let Ok(p) = postcard::to_allocvec(&NetRecord::Released { tid }) {
             if let Ok(lsn) = log.append(NET_RECORD_TAG, &p) {
                 let log = log.clone();
                 tokio::spawn(async move {
+                    tokio::time::sleep(RELEASED_SYNC_AFTER).await;
                     let _ = log.when_durable(lsn).await;
                 });
             }
