@@ -14,6 +14,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::net::TcpListener;
 use weft::{Failure, Node, NodeId, Seed, Transaction};
+use weft_net::control::logger::{PauseHook, PausePoint};
 use weft_net::sma::TxStream;
 use weft_net::tca::proxy::{NetProxy, ProxyConfig, Undeliverable};
 use weft_net::tca::server::ProxiedStream;
@@ -91,6 +92,15 @@ pub struct ProxyArgs {
     /// `CRASHPOINT <point> <tid>` (a test then kills the proxy).
     #[arg(long, hide = true)]
     pub crash_at: Option<weft_tx::CrashPoint>,
+    /// Test hook: hold the `--pause-tx`-th transaction (0-based, counted
+    /// per point) at this point of its commit (`before-vote`,
+    /// `before-release`), print `PAUSED <point> <tid>` and go on when a
+    /// line arrives on stdin.
+    #[arg(long, hide = true)]
+    pub pause_at: Option<PausePoint>,
+    /// Which transaction `--pause-at` holds.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub pause_tx: u64,
 }
 
 /// Flags of `weft net tla`.
@@ -137,6 +147,15 @@ pub struct TlaArgs {
     /// Failure detector: a peer silent this long is dead.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub dead_after: Duration,
+    /// Test hook: as `weft net proxy --crash-at`.
+    #[arg(long, hide = true)]
+    pub crash_at: Option<weft_tx::CrashPoint>,
+    /// Test hook: as `weft net proxy --pause-at`.
+    #[arg(long, hide = true)]
+    pub pause_at: Option<PausePoint>,
+    /// Which transaction `--pause-at` holds.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub pause_tx: u64,
 }
 
 /// Flags of `weft net ls`.
@@ -180,6 +199,10 @@ pub struct ServeArgs {
     /// and wait to be killed.
     #[arg(long)]
     pub stop_after_commit: Option<u64>,
+    /// Hand each commit's decision to the logger (`TmConfig::delegate_commit`:
+    /// one forced record per transaction, at the logger).
+    #[arg(long)]
+    pub delegate_commit: bool,
 }
 
 /// Runs `weft net ...`.
@@ -195,6 +218,7 @@ pub async fn run(cmd: NetCmd) -> anyhow::Result<()> {
 async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let mut cfg = ProxyConfig::new(resolve(&a.listen)?, resolve(&a.upstream)?);
     cfg.logger.max_hold = a.max_hold;
+    cfg.pause = a.pause_at.map(|at| pause_hook(at, a.pause_tx));
     let proxy = NetProxy::new(cfg);
     let mut b = Node::builder(a.id)
         .listen(resolve(&a.node_listen)?)
@@ -209,15 +233,7 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         b = b.join(Seed::Tcp(resolve(seed)?));
     }
     if let Some(point) = a.crash_at {
-        let hook: weft_tx::CrashHook = Arc::new(|point, tid| {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "CRASHPOINT {point:?} {tid}");
-            let _ = out.flush();
-        });
-        b = b.tm_config(weft::TmConfig {
-            crash_at: Some((point, hook)),
-            ..weft::TmConfig::default()
-        });
+        b = b.tm_config(crash_config(point));
     }
     let node = b.start().await.context("the proxy node did not start")?;
     {
@@ -246,8 +262,43 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The transaction manager's settings of `--crash-at`: stop transactions
+/// at `point` and print `CRASHPOINT <point> <tid>`.
+fn crash_config(point: weft_tx::CrashPoint) -> weft::TmConfig {
+    let hook: weft_tx::CrashHook = Arc::new(|point, tid| {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "CRASHPOINT {point:?} {tid}");
+        let _ = out.flush();
+    });
+    weft::TmConfig {
+        crash_at: Some((point, hook)),
+        ..weft::TmConfig::default()
+    }
+}
+
+/// The hook of `--pause-at`: holds the `nth` transaction to reach `at`
+/// until a line arrives on stdin (or stdin ends).
+fn pause_hook(at: PausePoint, nth: u64) -> PauseHook {
+    let seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    PauseHook(Arc::new(move |point, tid| {
+        let hit = point == at && seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == nth;
+        Box::pin(async move {
+            if !hit {
+                return;
+            }
+            say(format!("PAUSED {} {tid}", point.name()));
+            let _ = tokio::task::spawn_blocking(|| {
+                let mut line = String::new();
+                let _ = std::io::stdin().read_line(&mut line);
+            })
+            .await;
+        })
+    }))
+}
+
 /// Prints, after a logger's ready line, the held output a previous run
-/// prepared and never released (its peer connection ended with that run).
+/// prepared and never released (its peer connection ended with that run),
+/// then `RECOVERED <n> undeliverable` (the list is complete).
 fn print_undeliverable(out: &mut impl Write, items: &[Undeliverable]) {
     for u in items {
         let _ = writeln!(
@@ -263,6 +314,7 @@ fn print_undeliverable(out: &mut impl Write, items: &[Undeliverable]) {
             }
         );
     }
+    let _ = writeln!(out, "RECOVERED {} undeliverable", items.len());
 }
 
 async fn tla(a: TlaArgs) -> anyhow::Result<()> {
@@ -277,6 +329,7 @@ async fn tla(a: TlaArgs) -> anyhow::Result<()> {
         },
     );
     cfg.conn.logger.max_hold = a.max_hold;
+    cfg.pause = a.pause_at.map(|at| pause_hook(at, a.pause_tx));
     let logger = TlaLogger::new(cfg);
     let mut b = Node::builder(a.id)
         .listen(resolve(&a.node_listen)?)
@@ -288,6 +341,9 @@ async fn tla(a: TlaArgs) -> anyhow::Result<()> {
     }
     if let Some(seed) = a.join.first() {
         b = b.join(Seed::Tcp(resolve(seed)?));
+    }
+    if let Some(point) = a.crash_at {
+        b = b.tm_config(crash_config(point));
     }
     let node = b
         .start()
@@ -361,7 +417,14 @@ fn say(line: String) {
 
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let listener = TcpListener::bind(resolve(&a.accept)?).await?;
-    let node = a.node.start(a.node.builder()?).await?;
+    let mut b = a.node.builder()?;
+    if a.delegate_commit {
+        b = b.tm_config(weft::TmConfig {
+            delegate_commit: true,
+            ..a.node.tm_config()
+        });
+    }
+    let node = a.node.start(b).await?;
     say(format!(
         "weft net serve node {} incarnation {} listening on {} accepting on {}",
         node.id(),
@@ -505,7 +568,12 @@ async fn serve_conn(node: &Node, a: &ServeArgs, s: Stream) -> anyhow::Result<()>
             say(format!("STOPPED before-commit {n}"));
             std::future::pending::<()>().await;
         }
-        s.commit(tx).await?;
+        let tid = tx.tid();
+        if let Err(e) = s.commit(tx).await {
+            say(format!("COMMIT FAILED {n} {tid}: {e}"));
+            return Err(e.into());
+        }
+        say(format!("COMMITTED {n} {tid}"));
         if a.stop_after_commit == Some(n) {
             say(format!("STOPPED after-commit {n}"));
             std::future::pending::<()>().await;

@@ -243,18 +243,27 @@ impl NodeArgs {
         if let Some(dir) = &self.data_dir {
             b = b.data_dir(dir);
         }
-        if let Some(point) = self.crash_at {
+        if self.crash_at.is_some() {
+            b = b.tm_config(self.tm_config());
+        }
+        Ok(b)
+    }
+
+    /// The transaction manager's settings these flags describe (the
+    /// defaults, with `--crash-at`'s hook).
+    pub fn tm_config(&self) -> TmConfig {
+        let crash_at = self.crash_at.map(|point| {
             let hook: weft_tx::CrashHook = Arc::new(|point, tid| {
                 let mut out = std::io::stdout().lock();
                 let _ = writeln!(out, "CRASHPOINT {point:?} {tid}");
                 let _ = out.flush();
             });
-            b = b.tm_config(TmConfig {
-                crash_at: Some((point, hook)),
-                ..TmConfig::default()
-            });
+            (point, hook)
+        });
+        TmConfig {
+            crash_at,
+            ..TmConfig::default()
         }
-        Ok(b)
     }
 }
 

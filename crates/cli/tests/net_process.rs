@@ -3,17 +3,22 @@
 //! `std::net::TcpStream`). The server or the proxy is killed with SIGKILL
 //! before, during and after a commit; the peer must see exactly the
 //! committed answers, once, in order, and no byte of an aborted attempt.
+//! The `delegated_*` tests run the server with `--delegate-commit` (the
+//! proxy decides, one forced record per transaction) and kill the server or
+//! the proxy before the proxy's commit record is forced, after it is forced
+//! and before the decision reaches the server, and after the release.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 /// A process whose stdout lines are collected.
 struct Proc {
     child: Child,
+    stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<String>,
     ready: String,
 }
@@ -22,10 +27,12 @@ impl Proc {
     fn spawn(args: &[&str]) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_weft"))
             .args(args)
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("weft starts");
+        let stdin = child.stdin.take();
         let out = child.stdout.take().expect("piped");
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -41,9 +48,17 @@ impl Proc {
             .expect("a ready line");
         Proc {
             child,
+            stdin,
             lines,
             ready,
         }
+    }
+
+    /// Lets a transaction held by `--pause-at` go on.
+    fn go(&mut self) {
+        let stdin = self.stdin.as_mut().expect("stdin piped");
+        stdin.write_all(b"go\n").unwrap();
+        stdin.flush().unwrap();
     }
 
     /// The word after `key` in the ready line.
@@ -358,4 +373,219 @@ fn sma_server_killed_after_commit_the_peer_never_sees_an_aborted_byte() {
     // connection's writer at commit and may or may not have left before the
     // kill (or a reset may discard it at the peer); nothing else may appear.
     assert!(rest.is_empty() || rest == "ok b\n", "{rest:?}");
+}
+
+// ---- One force per transaction: the server hands the decision to the proxy.
+
+const DELEGATE: &str = "--delegate-commit";
+
+/// The tid at the end of a `PAUSED`/`CRASHPOINT`/`COMMITTED` line.
+fn tid_of(line: &str) -> String {
+    line.split_whitespace().last().unwrap().to_string()
+}
+
+/// The transactions `weft tx list` shows live at `node` (its text table).
+fn live_txs(node: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+        .args(["tx", "list", "--node", node])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// Waits until `tid` is no longer live at `node` (its phase two ended:
+/// every node it had to tell acknowledged the decision).
+fn wait_forgotten(node: &str, tid: &str) {
+    // A hang guard, not a speed bound.
+    for _ in 0..600 {
+        if !live_txs(node).contains(tid) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{tid} still live at {node}: {}", live_txs(node));
+}
+
+#[test]
+fn delegated_server_killed_before_the_proxys_force_aborts_and_the_peer_gets_only_earlier_commits() {
+    let mut w = world(
+        &[DELEGATE],
+        &["--pause-at", "before-vote", "--pause-tx", "1"],
+    );
+    // The second transaction's one-phase prepare reached the proxy; it has
+    // not voted, nothing of it is forced.
+    let tid = tid_of(&w.proxy.wait_line("PAUSED before-vote"));
+    w.server.kill9();
+    // The proxy, not yet the decider, aborts when its coordinator dies,
+    // drops the held answer and closes the peer's connection.
+    let got = read_all(&mut w.peer);
+    assert_eq!(String::from_utf8_lossy(&got), "ok a\n");
+    // Its late vote changes nothing: it votes no on a transaction gone.
+    w.proxy.go();
+    wait_forgotten(&w.proxy.field("on"), &tid);
+}
+
+#[test]
+fn delegated_server_killed_after_the_proxys_force_gets_the_committed_answer_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let accept = format!("127.0.0.1:{}", free_port());
+    let mut p = proxy(
+        &accept,
+        &dir.path().join("proxy"),
+        &["--pause-at", "before-release", "--pause-tx", "1"],
+    );
+    let node = p.field("on");
+    let sdir = dir.path().join("server");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut srv = server(&accept, &listen, &node, &sdir, &[DELEGATE]);
+    let mut peer = TcpStream::connect(peers_addr(&p)).unwrap();
+    peer.write_all(b"a\nb\n").unwrap();
+    // The proxy decided: its commit record (with the held answer) is
+    // durable; the answer is not released and the decision not sent.
+    let tid = tid_of(&p.wait_line("PAUSED before-release"));
+    srv.kill9();
+    p.go();
+    // The decision stands without the server: the proxy releases the answer
+    // once, then closes (the server is gone).
+    let got = read_all(&mut peer);
+    assert_eq!(String::from_utf8_lossy(&got), "ok a\nok b\n");
+    // The proxy keeps telling the server the decision until a restarted
+    // server acknowledges it; then the transaction ends at the proxy.
+    let _srv2 = server(&accept, &listen, &node, &sdir, &[DELEGATE]);
+    wait_forgotten(&node, &tid);
+}
+
+#[test]
+fn delegated_server_killed_after_its_commit_returned_the_peer_gets_the_answer_once() {
+    let mut w = world(&[DELEGATE, "--stop-after-commit", "1"], &[]);
+    w.server.wait_line("STOPPED after-commit 1");
+    w.server.kill9();
+    let got = read_all(&mut w.peer);
+    assert_eq!(String::from_utf8_lossy(&got), "ok a\nok b\n");
+}
+
+/// A proxy at a fixed node address (a restart keeps it) and a delegating
+/// server behind it; the peer sends `a`.
+fn delegated_world(proxy_extra: &[&str]) -> (tempfile::TempDir, Proc, Proc, TcpStream, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let accept = format!("127.0.0.1:{}", free_port());
+    let node_listen = format!("127.0.0.1:{}", free_port());
+    let mut extra = vec!["--node-listen", node_listen.as_str()];
+    extra.extend(proxy_extra);
+    let p = proxy(&accept, &dir.path().join("proxy"), &extra);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let srv = server(
+        &accept,
+        &listen,
+        &node_listen,
+        &dir.path().join("server"),
+        &[DELEGATE],
+    );
+    let mut peer = TcpStream::connect(peers_addr(&p)).unwrap();
+    peer.write_all(b"a\n").unwrap();
+    (dir, p, srv, peer, node_listen)
+}
+
+fn restart_proxy(dir: &tempfile::TempDir, accept: &str, node_listen: &str) -> Proc {
+    proxy(
+        accept,
+        &dir.path().join("proxy"),
+        &["--node-listen", node_listen],
+    )
+}
+
+#[test]
+fn delegated_proxy_killed_before_its_force_the_waiting_server_aborts_when_it_returns() {
+    let (dir, mut p, srv, mut peer, node_listen) =
+        delegated_world(&["--crash-at", "coordinator-before-commit-force"]);
+    let accept = p.ready.split(" upstream ").nth(1).unwrap().to_string();
+    // The proxy took the decision and is about to force its commit record.
+    let tid = tid_of(&p.wait_line("CRASHPOINT"));
+    p.kill9();
+    assert_eq!(String::from_utf8_lossy(&read_all(&mut peer)), "");
+    // The server handed the decision on: it cannot abort alone and keeps
+    // asking (the one-phase prepare again). The restarted proxy has no
+    // record of the transaction and votes no: both sides abort.
+    let p2 = restart_proxy(&dir, &accept, &node_listen);
+    assert_eq!(p2.wait_line("RECOVERED"), "RECOVERED 0 undeliverable");
+    let failed = srv.wait_line("COMMIT FAILED 0");
+    assert!(failed.contains(&tid), "{failed}");
+}
+
+#[test]
+fn delegated_proxy_killed_after_its_force_the_server_commits_when_it_returns() {
+    let (dir, mut p, srv, mut peer, node_listen) =
+        delegated_world(&["--crash-at", "coordinator-after-commit-force"]);
+    let accept = p.ready.split(" upstream ").nth(1).unwrap().to_string();
+    // Reached only by a proxy that decides: its commit record is durable,
+    // the answer not released, the decision not sent.
+    let tid = tid_of(&p.wait_line("CRASHPOINT"));
+    p.kill9();
+    // The peer's connection ended with the proxy (2CA's split connection):
+    // nothing of the answer.
+    assert_eq!(String::from_utf8_lossy(&read_all(&mut peer)), "");
+    // The restarted proxy finds the commit record: the answer is committed
+    // and undeliverable, and the decision goes to the waiting server.
+    let p2 = restart_proxy(&dir, &accept, &node_listen);
+    let u = p2.wait_line("UNDELIVERABLE");
+    assert!(
+        u.starts_with(&format!("UNDELIVERABLE {tid} 5 bytes")) && u.ends_with("(committed)"),
+        "{u}"
+    );
+    let committed = srv.wait_line("COMMITTED 0");
+    assert_eq!(tid_of(&committed), tid);
+    wait_forgotten(&node_listen, &tid);
+}
+
+#[test]
+fn delegated_proxy_killed_after_the_release_the_peer_has_each_answer_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let accept = format!("127.0.0.1:{}", free_port());
+    let node_listen = format!("127.0.0.1:{}", free_port());
+    let mut p = restart_proxy(&dir, &accept, &node_listen);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let srv = server(
+        &accept,
+        &listen,
+        &node_listen,
+        &dir.path().join("server"),
+        &[DELEGATE, "--stop-after-commit", "2"],
+    );
+    let mut peer = TcpStream::connect(peers_addr(&p)).unwrap();
+    peer.write_all(b"a\nb\nc\n").unwrap();
+    let tids: Vec<String> = (0..3)
+        .map(|n| tid_of(&srv.wait_line(&format!("COMMITTED {n} "))))
+        .collect();
+    srv.wait_line("STOPPED after-commit 2");
+    // Each decision reached the server after the proxy released the answer.
+    let mut all = [0u8; 15];
+    peer.read_exact(&mut all).unwrap();
+    assert_eq!(&all, b"ok a\nok b\nok c\n");
+    p.kill9();
+    assert_eq!(String::from_utf8_lossy(&read_all(&mut peer)), "");
+    // After a restart, released output is not reported as undeliverable:
+    // the release records of the first two were made durable by the next
+    // transaction's forced record; the last one's is synced lazily, and
+    // only it may be reported (the proxy may have died before that sync).
+    let p2 = restart_proxy(&dir, &accept, &node_listen);
+    loop {
+        let l = p2.lines.recv_timeout(Duration::from_secs(60)).unwrap();
+        if l.starts_with("RECOVERED") {
+            assert!(
+                l == "RECOVERED 0 undeliverable" || l == "RECOVERED 1 undeliverable",
+                "{l}"
+            );
+            break;
+        }
+        assert!(
+            l.starts_with(&format!("UNDELIVERABLE {} 5 bytes", tids[2]))
+                && l.ends_with("(committed)"),
+            "{l}"
+        );
+    }
 }

@@ -5,19 +5,26 @@
 //! server's transactions abort and restart, and the server is killed with
 //! SIGKILL before and after a commit; the peer must see exactly the
 //! committed answers, once, in order, and no byte of an aborted attempt.
+//! The `delegated_*` tests run the server with `--delegate-commit` (the
+//! logger decides, one forced record per transaction) and kill the server
+//! or the logger before the logger's commit record is forced, after it is
+//! forced and before the decision reaches the server, and after the
+//! release.
 //!
 //! Needs root (namespaces, TUN devices, routes); prints why it skips
 //! otherwise.
 
+use std::io::Write;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 /// A process whose stdout lines are collected.
 struct Proc {
     child: Child,
+    stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<String>,
     ready: String,
 }
@@ -25,10 +32,12 @@ struct Proc {
 impl Proc {
     fn spawn(cmd: &mut Command, wait_ready: bool) -> Proc {
         let mut child = cmd
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("the process starts");
+        let stdin = child.stdin.take();
         let out = child.stdout.take().expect("piped");
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -48,9 +57,17 @@ impl Proc {
         };
         Proc {
             child,
+            stdin,
             lines,
             ready,
         }
+    }
+
+    /// Lets a transaction held by `--pause-at` go on.
+    fn go(&mut self) {
+        let stdin = self.stdin.as_mut().expect("stdin piped");
+        stdin.write_all(b"go\n").unwrap();
+        stdin.flush().unwrap();
     }
 
     fn weft(args: &[&str]) -> Proc {
@@ -122,7 +139,7 @@ impl Lab {
             eprintln!("SKIP: TLA tests need root (network namespaces, TUN devices, routes)");
             return None;
         }
-        let n = (std::process::id() * 4 + test) % 250;
+        let n = (std::process::id() * 16 + test) % 250;
         let lab = Lab {
             ns: format!("wtla{n}"),
             peer_tun: format!("wtp{n}"),
@@ -190,7 +207,11 @@ impl Lab {
     }
 
     fn logger(&self, data: &Path) -> Proc {
-        Proc::weft(&[
+        self.logger_with(data, &[])
+    }
+
+    fn logger_with(&self, data: &Path, extra: &[&str]) -> Proc {
+        let mut args = vec![
             "net",
             "tla",
             "--peer-tun",
@@ -205,10 +226,17 @@ impl Lab {
             "200ms",
             "--dead-after",
             "3s",
-        ])
+        ];
+        args.extend(extra);
+        Proc::weft(&args)
     }
 
     fn server(&self, join: &str, data: &Path, extra: &[&str]) -> Proc {
+        self.server_at(join, "127.0.0.1:0", data, extra)
+    }
+
+    /// The server with its node at `listen` (a restart keeps it).
+    fn server_at(&self, join: &str, listen: &str, data: &Path, extra: &[&str]) -> Proc {
         let accept = format!("{}:0", self.server_ip);
         let mut args = vec![
             "net",
@@ -216,7 +244,7 @@ impl Lab {
             "--id",
             "2",
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--join",
             join,
             "--accept",
@@ -444,4 +472,222 @@ fn logger_killed_mid_transaction_the_peer_sees_no_byte_of_it() {
         "{got:?}"
     );
     assert!(got.iter().any(|l| l.starts_with("ERROR")), "{got:?}");
+}
+
+// ---- One force per transaction: the server hands the decision to the logger.
+
+const DELEGATE: &str = "--delegate-commit";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The tid at the end of a `PAUSED`/`CRASHPOINT`/`COMMITTED` line.
+fn tid_of(line: &str) -> String {
+    line.split_whitespace().last().unwrap().to_string()
+}
+
+/// Waits until `tid` is no longer live at `node` (`weft tx list`): its
+/// phase two ended.
+fn wait_forgotten(node: &str, tid: &str) {
+    let live = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_weft"))
+            .args(["tx", "list", "--node", node])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    // A hang guard, not a speed bound.
+    for _ in 0..600 {
+        if !live().contains(tid) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{tid} still live at {node}: {}", live());
+}
+
+fn no_byte_of(got: &[String], req: &str) {
+    assert!(
+        !got.iter().any(|l| l.contains(req) || l.contains("ABORTED")),
+        "{got:?}"
+    );
+}
+
+#[test]
+fn delegated_server_killed_before_the_loggers_force_the_peer_gets_only_earlier_commits() {
+    let Some(lab) = Lab::new(5) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut logger = lab.logger_with(
+        &dir.path().join("logger"),
+        &["--pause-at", "before-vote", "--pause-tx", "1"],
+    );
+    let join = logger.field("listening on");
+    let mut server = lab.server(&join, &dir.path().join("server"), &[DELEGATE]);
+    let mut peer = lab.peer(&server.field("accepting on"), 3);
+    // The second transaction's one-phase prepare reached the logger; it
+    // has not voted, nothing of it is forced.
+    logger.wait_line("PAUSED before-vote");
+    server.kill9();
+    // The logger aborts when its coordinator dies, drops the held answer
+    // and lets the server's FIN through.
+    let got = answers(&peer.all_lines());
+    assert_eq!(got[0], expected(1)[0], "{got:?}");
+    no_byte_of(&got, "req 1");
+    logger.go();
+}
+
+#[test]
+fn delegated_server_killed_after_the_loggers_force_gets_the_committed_answer_once() {
+    let Some(lab) = Lab::new(6) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut logger = lab.logger_with(
+        &dir.path().join("logger"),
+        &["--pause-at", "before-release", "--pause-tx", "1"],
+    );
+    let join = logger.field("listening on");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let sdir = dir.path().join("server");
+    let mut server = lab.server_at(&join, &listen, &sdir, &[DELEGATE]);
+    let mut peer = lab.peer(&server.field("accepting on"), 3);
+    // The logger decided: its commit record (with the held answer) is
+    // durable; the answer is not released, the decision not sent.
+    let tid = tid_of(&logger.wait_line("PAUSED before-release"));
+    server.kill9();
+    logger.go();
+    // The decision stands without the server: the answer reaches the peer
+    // once, then the server's end of the connection.
+    let got = answers(&peer.all_lines());
+    assert_eq!(&got[..2], &expected(2)[..], "{got:?}");
+    no_byte_of(&got, "req 2");
+    // The logger tells the decision until a restarted server acknowledges.
+    let _server2 = lab.server_at(&join, &listen, &sdir, &[DELEGATE]);
+    wait_forgotten(&join, &tid);
+}
+
+#[test]
+fn delegated_server_killed_after_its_commit_returned_the_peer_gets_the_answer_once() {
+    let Some(lab) = Lab::new(7) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let logger = lab.logger(&dir.path().join("logger"));
+    let join = logger.field("listening on");
+    let mut server = lab.server(
+        &join,
+        &dir.path().join("server"),
+        &[DELEGATE, "--abort-first", "--stop-after-commit", "1"],
+    );
+    let mut peer = lab.peer(&server.field("accepting on"), 3);
+    server.wait_line("STOPPED after-commit 1");
+    server.kill9();
+    let got = answers(&peer.all_lines());
+    assert_eq!(&got[..2], &expected(2)[..], "{got:?}");
+    no_byte_of(&got, "req 2");
+}
+
+/// A logger at a fixed node address (a restart keeps it).
+fn fixed_logger(lab: &Lab, dir: &Path, extra: &[&str]) -> (Proc, String) {
+    let node_listen = format!("127.0.0.1:{}", free_port());
+    let mut args = vec!["--node-listen", node_listen.as_str()];
+    args.extend(extra);
+    (lab.logger_with(&dir.join("logger"), &args), node_listen)
+}
+
+#[test]
+fn delegated_logger_killed_before_its_force_the_waiting_server_aborts_when_it_returns() {
+    let Some(lab) = Lab::new(8) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut logger, node) = fixed_logger(
+        &lab,
+        dir.path(),
+        &["--crash-at", "coordinator-before-commit-force"],
+    );
+    let server = lab.server(&node, &dir.path().join("server"), &[DELEGATE]);
+    let mut peer = lab.peer_waiting(&server.field("accepting on"), 1, 8);
+    // The logger took the decision and is about to force its commit record.
+    let tid = tid_of(&logger.wait_line("CRASHPOINT"));
+    logger.kill9();
+    // The held answer died with the logger: the peer's connection goes
+    // silent and it gives up.
+    let got = answers(&peer.all_lines());
+    no_byte_of(&got, "req 0");
+    // The server handed the decision on and waits; the restarted logger has
+    // no record of the transaction and votes no: both sides abort.
+    let logger2 = fixed_logger_at(&lab, dir.path(), &node);
+    assert_eq!(logger2.wait_line("RECOVERED"), "RECOVERED 0 undeliverable");
+    let failed = server.wait_line("COMMIT FAILED 0");
+    assert!(failed.contains(&tid), "{failed}");
+}
+
+fn fixed_logger_at(lab: &Lab, dir: &Path, node_listen: &str) -> Proc {
+    lab.logger_with(&dir.join("logger"), &["--node-listen", node_listen])
+}
+
+#[test]
+fn delegated_logger_killed_after_its_force_the_server_commits_when_it_returns() {
+    let Some(lab) = Lab::new(9) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut logger, node) = fixed_logger(
+        &lab,
+        dir.path(),
+        &["--crash-at", "coordinator-after-commit-force"],
+    );
+    let server = lab.server(&node, &dir.path().join("server"), &[DELEGATE]);
+    let mut peer = lab.peer_waiting(&server.field("accepting on"), 1, 8);
+    // Reached only by a logger that decides: its commit record is durable,
+    // the answer not released, the decision not sent.
+    let tid = tid_of(&logger.wait_line("CRASHPOINT"));
+    logger.kill9();
+    let got = answers(&peer.all_lines());
+    no_byte_of(&got, "req 0");
+    // The restarted logger finds the commit record: the answer is committed
+    // and undeliverable (its connection's state died with the logger), and
+    // the decision goes to the waiting server.
+    let logger2 = fixed_logger_at(&lab, dir.path(), &node);
+    let u = logger2.wait_line("UNDELIVERABLE");
+    assert!(
+        u.starts_with(&format!("UNDELIVERABLE {tid} 9 bytes")) && u.ends_with("(committed)"),
+        "{u}"
+    );
+    assert_eq!(tid_of(&server.wait_line("COMMITTED 0")), tid);
+    wait_forgotten(&node, &tid);
+}
+
+#[test]
+fn delegated_logger_killed_after_the_release_the_peer_has_each_answer_once() {
+    let Some(lab) = Lab::new(10) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut logger, node) = fixed_logger(&lab, dir.path(), &[]);
+    let server = lab.server(
+        &node,
+        &dir.path().join("server"),
+        &[DELEGATE, "--stop-after-commit", "1"],
+    );
+    let mut peer = lab.peer_waiting(&server.field("accepting on"), 3, 8);
+    let tids: Vec<String> = (0..2)
+        .map(|n| tid_of(&server.wait_line(&format!("COMMITTED {n} "))))
+        .collect();
+    server.wait_line("STOPPED after-commit 1");
+    logger.kill9();
+    let got = answers(&peer.all_lines());
+    assert_eq!(&got[..2], &expected(2)[..], "{got:?}");
+    no_byte_of(&got, "req 2");
+    // Released output is not reported after a restart (the last release
+    // record is synced lazily: only it may be).
+    let logger2 = fixed_logger_at(&lab, dir.path(), &node);
+    loop {
+        let l = logger2.lines.recv_timeout(Duration::from_secs(60)).unwrap();
+        if l.starts_with("RECOVERED") {
+            assert!(
+                l == "RECOVERED 0 undeliverable" || l == "RECOVERED 1 undeliverable",
+                "{l}"
+            );
+            break;
+        }
+        assert!(l.starts_with(&format!("UNDELIVERABLE {} ", tids[1])), "{l}");
+    }
 }

@@ -7,13 +7,17 @@
 //! server byte and logs its held output ([`prepare`], [`prepare_check`]);
 //! the record that committed output was released ([`log_released`]); and
 //! recovery's list of output that a previous run prepared and never
-//! released ([`undeliverable`]). Must never vote yes before the
+//! released ([`undeliverable`]); and the crash tests' hook that holds a
+//! transaction at a point of its commit ([`PauseHook`]). Must never vote yes before the
 //! transaction's every server byte reached the logger and its output was
 //! appended to the log (the transaction manager's forced prepare record
 //! then covers it).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
 
 use tokio::sync::Notify;
 use weft_log::{Log, LogRecord};
@@ -38,6 +42,59 @@ pub struct Undeliverable {
     /// True when recovery knows it committed; false when in doubt (its
     /// outcome arrives later).
     pub committed: bool,
+}
+
+/// Where a [`PauseHook`] may hold a transaction at the logger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PausePoint {
+    /// Prepare (or a one-phase prepare) arrived; the logger has not voted,
+    /// so nothing of the transaction is forced yet.
+    BeforeVote,
+    /// The decision is commit (durable here or at the coordinator); the
+    /// held output is not released and, at a logger that decided, the
+    /// decision has not been sent to the server (it leaves after the
+    /// release).
+    BeforeRelease,
+}
+
+impl PausePoint {
+    /// The name used on command lines (`before-vote`, `before-release`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PausePoint::BeforeVote => "before-vote",
+            PausePoint::BeforeRelease => "before-release",
+        }
+    }
+}
+
+impl std::str::FromStr for PausePoint {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [PausePoint::BeforeVote, PausePoint::BeforeRelease]
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown pause point {s:?}"))
+    }
+}
+
+/// A test hook: awaited by the logger at each [`PausePoint`] of every
+/// transaction; the future it returns holds the transaction there until it
+/// completes (crash tests kill a process meanwhile). Unlike a crash point
+/// of the transaction manager, the transaction goes on afterwards.
+#[derive(Clone)]
+pub struct PauseHook(pub Arc<dyn Fn(PausePoint, Tid) -> BoxFuture<'static, ()> + Send + Sync>);
+
+impl std::fmt::Debug for PauseHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PauseHook")
+    }
+}
+
+/// Awaits `hook` (if any) at `point` of `tid`.
+pub(crate) async fn pause(hook: Option<&PauseHook>, point: PausePoint, tid: Tid) {
+    if let Some(h) = hook {
+        (h.0)(point, tid).await;
+    }
 }
 
 /// The transaction a control call runs in.
@@ -176,12 +233,28 @@ pub(crate) async fn prepare(
     }
 }
 
-/// Records that `tid`'s output was handed on to the peer (not forced:
-/// recovery only uses it to leave the output out of [`undeliverable`]).
+/// How long a released record may wait for another record's force before
+/// the log is asked to sync it on its own.
+const RELEASED_SYNC_AFTER: Duration = Duration::from_millis(200);
+
+/// Records that `tid`'s output was handed on to the peer. Not forced on
+/// the commit path (recovery only uses it to leave the output out of
+/// [`undeliverable`]): the next transaction's forced record usually covers
+/// it; when none came within [`RELEASED_SYNC_AFTER`], the log syncs it on
+/// its own (within its lazy flush interval), so a busy connection costs no
+/// extra sync and an idle one's last release is durable after about
+/// 200 ms. A logger killed before then reports the output as undeliverable
+/// although it left.
 pub(crate) fn log_released(log: Option<&Log>, tid: Tid) {
     if let Some(log) = log {
         if let Ok(p) = postcard::to_allocvec(&NetRecord::Released { tid }) {
-            let _ = log.append(NET_RECORD_TAG, &p);
+            if let Ok(lsn) = log.append(NET_RECORD_TAG, &p) {
+                let log = log.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(RELEASED_SYNC_AFTER).await;
+                    let _ = log.when_durable(lsn).await;
+                });
+            }
         }
     }
 }

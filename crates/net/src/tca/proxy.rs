@@ -31,7 +31,7 @@ use weft_wire::{Failure, Status, Tid};
 
 use super::{frame, ConnInfo, ConnName, NetRequest, NetResponse, SERVICE};
 pub use crate::control::logger::Undeliverable;
-use crate::control::logger::{self as shared, need_tx};
+use crate::control::logger::{self as shared, need_tx, PauseHook, PausePoint};
 use crate::core::{Action, ConnState, CoreError, Event, LoggerConfig, LoggerCore};
 use crate::writer::PeerWriter;
 
@@ -53,6 +53,8 @@ pub struct ProxyConfig {
     pub start_wait: Duration,
     /// Most peer connections at once (more are refused: closed at once).
     pub max_conns: usize,
+    /// Test hook: holds transactions at points of their commit.
+    pub pause: Option<PauseHook>,
 }
 
 impl ProxyConfig {
@@ -65,6 +67,7 @@ impl ProxyConfig {
             prepare_wait: Duration::from_secs(10),
             start_wait: Duration::from_secs(5),
             max_conns: 1024,
+            pause: None,
         }
     }
 }
@@ -491,6 +494,7 @@ impl Resource for ProxyResource {
             let Some(c) = self.0.conn_of(tid) else {
                 return Vote::ReadOnly;
             };
+            shared::pause(self.0.cfg.pause.as_ref(), PausePoint::BeforeVote, tid).await;
             let wait = self.0.cfg.prepare_wait;
             shared::prepare(WHO, tid, log, wait, &c.progress, || {
                 let gone = c.server_gone.load(Ordering::SeqCst);
@@ -503,6 +507,7 @@ impl Resource for ProxyResource {
     fn commit(&self, tid: Tid) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let Some(c) = self.0.conn_of(tid) else { return };
+            shared::pause(self.0.cfg.pause.as_ref(), PausePoint::BeforeRelease, tid).await;
             match c.step(Event::Commit { tx: tid }) {
                 Ok(a) => {
                     c.apply(a).await;

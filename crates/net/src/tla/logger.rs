@@ -30,7 +30,9 @@ use weft_wire::{Failure, Status, Tid};
 use super::conn::{Out, TlaConfig, TlaConn, TlaError};
 use super::packet::{self, PacketError, ACK, SYN};
 use super::tun;
-use crate::control::logger::{self as shared, need_tx, Check, Undeliverable};
+use crate::control::logger::{
+    self as shared, need_tx, Check, PauseHook, PausePoint, Undeliverable,
+};
 use crate::control::{ConnInfo, NetRequest, NetResponse, SERVICE};
 use crate::core::CoreError;
 
@@ -62,6 +64,8 @@ pub struct TlaLoggerConfig {
     pub start_wait: Duration,
     /// Most connections at once (further SYNs are dropped).
     pub max_conns: usize,
+    /// Test hook: holds transactions at points of their commit.
+    pub pause: Option<PauseHook>,
 }
 
 impl TlaLoggerConfig {
@@ -74,6 +78,7 @@ impl TlaLoggerConfig {
             prepare_wait: Duration::from_secs(10),
             start_wait: Duration::from_secs(5),
             max_conns: 1024,
+            pause: None,
         }
     }
 }
@@ -397,6 +402,7 @@ impl Resource for TlaResource {
             let Some(key) = self.0.conn_of(tid) else {
                 return Vote::ReadOnly;
             };
+            shared::pause(self.0.cfg.pause.as_ref(), PausePoint::BeforeVote, tid).await;
             let wait = self.0.cfg.prepare_wait;
             shared::prepare(WHO, tid, log, wait, &self.0.progress, || {
                 let st = self.0.st.lock();
@@ -418,6 +424,7 @@ impl Resource for TlaResource {
             let Some(key) = self.0.conn_of(tid) else {
                 return;
             };
+            shared::pause(self.0.cfg.pause.as_ref(), PausePoint::BeforeRelease, tid).await;
             let res = self.0.with_conn(&key.to_string(), |c, now| {
                 c.commit(now, tid).map(|o| ((), o))
             });
