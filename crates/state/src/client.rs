@@ -117,6 +117,9 @@ pub struct ClientStats {
     pub pushed_used: u64,
     /// Version notices received.
     pub notices: u64,
+    /// Time spent checking and applying refreshes to cached copies, in
+    /// nanoseconds (what a refresh costs beyond its message).
+    pub apply_ns: u64,
 }
 
 /// How long the last write critical section spent in each phase.
@@ -523,6 +526,7 @@ impl StateClient {
             .get_mut(url)
             .ok_or_else(|| Failure::new(Status::AddrError, url.to_string()))?;
         let max = MAX_REFRESH_BYTES;
+        let applying = Instant::now();
         match refresh {
             WireRefresh::Current => {}
             WireRefresh::Diff(b) => {
@@ -564,7 +568,10 @@ impl StateClient {
         }
         let v = e.seg.version();
         drop(c);
-        self.0.stats.lock().refresh_bytes += moved;
+        let took = applying.elapsed().as_nanos() as u64;
+        let mut st = self.0.stats.lock();
+        st.refresh_bytes += moved;
+        st.apply_ns += took;
         debug_assert!(tid.is_none() || v == tx_version);
         Ok(v)
     }

@@ -451,6 +451,7 @@ impl Inner {
         secret: Vec<u8>,
         mode: LockMode,
         have: Option<u64>,
+        tentative_of: Option<Tid>,
         caller: NodeId,
         peer: bool,
     ) -> Result<HomeReply, Failure> {
@@ -480,6 +481,17 @@ impl Inner {
                     // A copy past the master holds this transaction's
                     // uncommitted diffs (or an aborted sub's): start it over
                     // from the master then.
+                    // Whether a copy holding another transaction's diffs
+                    // can be refreshed by diff is decided now, when granted:
+                    // a request that waited for that transaction to release
+                    // the lock finds it committed (deciding before the wait
+                    // sent the whole segment to every caller that came while
+                    // the last commit's phase two was still running).
+                    let have = match tentative_of {
+                        None => have,
+                        Some(t) if t == tid => None,
+                        Some(t) => have.filter(|_| e.core.committed_linear(t)),
+                    };
                     let base = have.filter(|h| *h <= version);
                     let refresh = Self::refresh_for(&e.core, base);
                     let tentative = e
@@ -513,16 +525,9 @@ impl Inner {
     /// The cached version worth refreshing from: a copy holding another
     /// transaction's uncommitted diffs counts only when that transaction
     /// committed them all, in order (else: send the whole segment).
-    fn trusted(
-        &self,
-        path: &str,
-        have: Option<u64>,
-        tentative_of: Option<Tid>,
-        me: Option<Tid>,
-    ) -> Option<u64> {
+    fn trusted(&self, path: &str, have: Option<u64>, tentative_of: Option<Tid>) -> Option<u64> {
         match tentative_of {
             None => have,
-            Some(t) if Some(t) == me => None,
             Some(t) => {
                 let segs = self.segs.lock();
                 segs.get(path)
@@ -605,9 +610,9 @@ impl Inner {
                 peer,
             } => {
                 let tid = tx()?.tid;
-                let have = self.trusted(&path, have, tentative_of, Some(tid));
                 let caller = ctx.caller().node;
-                self.lock(tid, path, secret, mode, have, caller, peer).await
+                self.lock(tid, path, secret, mode, have, tentative_of, caller, peer)
+                    .await
             }
             HomeRequest::Fetch {
                 path,
@@ -616,7 +621,7 @@ impl Inner {
                 tentative_of,
                 peer,
             } => {
-                let have = self.trusted(&path, have, tentative_of, None);
+                let have = self.trusted(&path, have, tentative_of);
                 let sub = peer.then(|| ctx.caller().node);
                 self.fetch(&path, &secret, have, sub)
             }

@@ -246,6 +246,7 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         let step = (100 / pct) as usize;
         let mut lat = Latency::default();
         let mut bytes = 0u64;
+        let mut apply_ns = 0u64;
         for rep in 0..args.reps + 1 {
             round += 1;
             let v0 = version_of(&home, "bench");
@@ -268,7 +269,7 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
             // Commit returns before the home applies phase two: wait for the
             // new version, so the reader's lock does not wait for the writer.
             wait_version(&home, "bench", v0 + 1).await;
-            let before = reader.stats().refresh_bytes;
+            let (before, applied) = (reader.stats().refresh_bytes, reader.stats().apply_ns);
             let t = Instant::now();
             let tx = b.begin();
             reader
@@ -279,11 +280,12 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
             if rep > 0 {
                 lat.record(took);
                 bytes += reader.stats().refresh_bytes - before;
+                apply_ns += reader.stats().apply_ns - applied;
             }
         }
         pb.finish_and_clear();
         curve.push((pct, lat.p50()));
-        moved.push(bytes / args.reps as u64);
+        moved.push((bytes / args.reps as u64, apply_ns / args.reps as u64 / 1000));
     }
     let r2_fit = r_squared(
         &curve
@@ -451,8 +453,10 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         args.reps
     );
     println!("  deep-copy RPC of the segment (baseline): {full_us} us");
-    for ((pct, us), b) in curve.iter().zip(&moved) {
-        println!("  update {pct:>3}%: Full read lock {us:>10} us, refresh moved {b} bytes");
+    for ((pct, us), (b, ap)) in curve.iter().zip(&moved) {
+        println!(
+            "  update {pct:>3}%: Full read lock {us:>10} us, refresh moved {b} bytes, applied in {ap} us (mean)"
+        );
     }
     println!("  update time linear in x: r^2 = {:.3}", r2_fit);
     println!(
@@ -539,9 +543,10 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         "chain_plain_phases_us": plain_chain.json(),
         "chain_proactive_phases_us": pro_chain.json(),
     });
-    for ((pct, us), bytes) in curve.iter().zip(&moved) {
+    for ((pct, us), (bytes, ap)) in curve.iter().zip(&moved) {
         j[format!("update_pct_{pct}_us")] = serde_json::json!(us);
         j[format!("update_pct_{pct}_bytes")] = serde_json::json!(bytes);
+        j[format!("update_pct_{pct}_apply_us")] = serde_json::json!(ap);
     }
     if let Some(p) = &args.json {
         write_json(p, &j)?;

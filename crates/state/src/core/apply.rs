@@ -20,7 +20,7 @@ use super::codec::{deps_from, resolve_types, ty_at, WireType};
 use super::error::StateError;
 use super::mip::{Mip, SegUrl};
 use super::segment::{Block, DiffOp, Overlay, Segment};
-use super::types::{PrimKind, TypeDesc, Unit};
+use super::types::{PrimKind, TypeDesc, TypeLimits, Unit};
 
 /// Longest repeating layout kept to check a block's units by offset.
 const MAX_PERIOD: u64 = 1 << 16;
@@ -57,12 +57,14 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
+    #[inline]
     fn byte(&mut self) -> Result<u8, StateError> {
         let v = *self.b.get(self.at).ok_or_else(short)?;
         self.at += 1;
         Ok(v)
     }
 
+    #[inline]
     fn take(&mut self, n: usize) -> Result<&'a [u8], StateError> {
         let end = self
             .at
@@ -76,7 +78,21 @@ impl<'a> Cursor<'a> {
 
     /// An unsigned LEB128 varint of at most `max` bytes, whose last byte
     /// (the `max`th) carries at most `last` (the bits the type has left).
+    #[inline]
     fn varint(&mut self, max: u32, last: u8) -> Result<u64, StateError> {
+        // One byte (every tag and most lengths): `max` is at least 3, so the
+        // last-byte rule cannot apply to it.
+        if let Some(&v) = self.b.get(self.at) {
+            if v & 0x80 == 0 {
+                self.at += 1;
+                return Ok(u64::from(v));
+            }
+        }
+        self.varint_long(max, last)
+    }
+
+    #[inline(never)]
+    fn varint_long(&mut self, max: u32, last: u8) -> Result<u64, StateError> {
         let mut out = 0u64;
         for i in 0..max {
             let v = self.byte()?;
@@ -91,22 +107,27 @@ impl<'a> Cursor<'a> {
         Err(bad("bad varint"))
     }
 
+    #[inline]
     fn u16(&mut self) -> Result<u16, StateError> {
         Ok(self.varint(3, 0b11)? as u16)
     }
 
+    #[inline]
     fn u32(&mut self) -> Result<u32, StateError> {
         Ok(self.varint(5, 0b1111)? as u32)
     }
 
+    #[inline]
     fn u64(&mut self) -> Result<u64, StateError> {
         self.varint(10, 0b1)
     }
 
+    #[inline]
     fn len(&mut self) -> Result<usize, StateError> {
         usize::try_from(self.u64()?).map_err(|_| bad("length out of range"))
     }
 
+    #[inline]
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N], StateError> {
         let s = self.take(N)?;
         let mut a = [0u8; N];
@@ -124,25 +145,18 @@ impl<'a> Cursor<'a> {
 
     /// One [`Unit`] (the enum's variants in declaration order).
     fn unit(&mut self) -> Result<Unit, StateError> {
-        Ok(match self.u32()? {
-            0 => match self.byte()? {
-                0 => Unit::Bool(false),
-                1 => Unit::Bool(true),
-                _ => return Err(bad("bad bool")),
-            },
+        let tag = self.u32()?;
+        self.unit_body(tag)
+    }
+
+    /// The value of a [`Unit`] whose variant index `tag` was just read.
+    fn unit_body(&mut self, tag: u32) -> Result<Unit, StateError> {
+        Ok(match tag {
+            0 => Unit::Bool(self.bool()?),
             1 => Unit::I8(self.byte()? as i8),
-            2 => {
-                let n = self.u16()?;
-                Unit::I16(((n >> 1) as i16) ^ (-((n & 1) as i16)))
-            }
-            3 => {
-                let n = self.u32()?;
-                Unit::I32(((n >> 1) as i32) ^ (-((n & 1) as i32)))
-            }
-            4 => {
-                let n = self.u64()?;
-                Unit::I64(((n >> 1) as i64) ^ (-((n & 1) as i64)))
-            }
+            2 => Unit::I16(unzigzag16(self.u16()?)),
+            3 => Unit::I32(unzigzag32(self.u32()?)),
+            4 => Unit::I64(unzigzag64(self.u64()?)),
             5 => Unit::U8(self.byte()?),
             6 => Unit::U16(self.u16()?),
             7 => Unit::U32(self.u32()?),
@@ -159,6 +173,88 @@ impl<'a> Cursor<'a> {
             v => return Err(bad(&format!("unit variant {v}"))),
         })
     }
+
+    #[inline]
+    fn bool(&mut self) -> Result<bool, StateError> {
+        match self.byte()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(bad("bad bool")),
+        }
+    }
+
+    /// Checks the next unit where the layout stores `kind`, reading it as
+    /// [`Cursor::unit`] would but building no value when its variant is
+    /// the kind's own fixed-size one (the common case). `Ok(Some(e))`: the
+    /// bytes are well formed but the unit does not fit (`Unit::check`'s
+    /// error); `Err`: the bytes are malformed.
+    #[inline]
+    fn check_unit(
+        &mut self,
+        kind: PrimKind,
+        lim: &TypeLimits,
+    ) -> Result<Option<StateError>, StateError> {
+        let tag = self.u32()?;
+        match (tag, kind) {
+            (0, PrimKind::Bool) => {
+                self.bool()?;
+            }
+            (1, PrimKind::I8) | (5, PrimKind::U8) => {
+                self.byte()?;
+            }
+            (2, PrimKind::I16) | (6, PrimKind::U16) => {
+                self.u16()?;
+            }
+            (3, PrimKind::I32) | (7, PrimKind::U32) => {
+                self.u32()?;
+            }
+            (4, PrimKind::I64) | (8, PrimKind::U64) => {
+                self.u64()?;
+            }
+            (9, PrimKind::F32) => {
+                self.take(4)?;
+            }
+            (10, PrimKind::F64) => {
+                self.take(8)?;
+            }
+            _ => return Ok(self.unit_body(tag)?.check(kind, lim).err()),
+        }
+        Ok(None)
+    }
+
+    /// Reads the next unit into `slot`, in place when the slot already
+    /// holds the same fixed-size variant (no value built, none dropped).
+    #[inline]
+    fn unit_into(&mut self, slot: &mut Unit) -> Result<(), StateError> {
+        let tag = self.u32()?;
+        match (tag, &mut *slot) {
+            (0, Unit::Bool(x)) => *x = self.bool()?,
+            (1, Unit::I8(x)) => *x = self.byte()? as i8,
+            (2, Unit::I16(x)) => *x = unzigzag16(self.u16()?),
+            (3, Unit::I32(x)) => *x = unzigzag32(self.u32()?),
+            (4, Unit::I64(x)) => *x = unzigzag64(self.u64()?),
+            (5, Unit::U8(x)) => *x = self.byte()?,
+            (6, Unit::U16(x)) => *x = self.u16()?,
+            (7, Unit::U32(x)) => *x = self.u32()?,
+            (8, Unit::U64(x)) => *x = self.u64()?,
+            (9, Unit::F32(x)) => *x = f32::from_le_bytes(self.bytes()?),
+            (10, Unit::F64(x)) => *x = f64::from_le_bytes(self.bytes()?),
+            _ => *slot = self.unit_body(tag)?,
+        }
+        Ok(())
+    }
+}
+
+fn unzigzag16(n: u16) -> i16 {
+    ((n >> 1) as i16) ^ (-((n & 1) as i16))
+}
+
+fn unzigzag32(n: u32) -> i32 {
+    ((n >> 1) as i32) ^ (-((n & 1) as i32))
+}
+
+fn unzigzag64(n: u64) -> i64 {
+    ((n >> 1) as i64) ^ (-((n & 1) as i64))
 }
 
 /// The fields of a diff before its ops (postcard encodes a struct as its
@@ -252,10 +348,10 @@ pub fn apply_diff_bytes(
                     let p = period.len() as u64;
                     let mut at = start % p;
                     while read < n {
-                        let u = cur.unit()?;
+                        let misfit = cur.check_unit(period[at as usize], &lim)?;
                         read += 1;
-                        if let Err(e) = u.check(period[at as usize], &lim) {
-                            refused = Some(e);
+                        if misfit.is_some() {
+                            refused = misfit;
                             break;
                         }
                         at += 1;
@@ -326,7 +422,7 @@ pub fn apply_diff_bytes(
                 let n = cur.len()?;
                 let data = seg.block_data_mut(serial).ok_or_else(fail)?;
                 for slot in &mut data[start..start + n] {
-                    *slot = cur.unit()?;
+                    cur.unit_into(slot)?;
                 }
             }
         }

@@ -3,9 +3,10 @@
 //! transaction's uncommitted diffs.
 //!
 //! Owns: granting locks (strict two-phase: held until the transaction ends),
-//! checking a submitted diff against the transaction's tentative copy (so a
-//! malformed or mismatched diff is refused and the master is untouched),
-//! applying a transaction's diffs to the master only at commit, and choosing
+//! checking a submitted diff against the master with the transaction's
+//! earlier diffs applied, without copying it ([`Ahead`]: so a malformed or
+//! mismatched diff is refused and the master is untouched), applying a
+//! transaction's diffs to the master in place only at commit, and choosing
 //! what a stale reader receives (the chained diffs since its version, or the
 //! whole segment when that is smaller). Must never wait, read a clock, do I/O
 //! or let an uncommitted diff reach the master.
@@ -15,9 +16,10 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use bytes::Bytes;
 use weft_wire::ids::{SubPath, Tid};
 
+use super::apply::apply_diff_bytes;
 use super::codec::encode_diff;
 use super::error::StateError;
-use super::segment::{Diff, Segment};
+use super::segment::{Ahead, Diff, Segment};
 use super::tmt::LockMode;
 
 /// Bounds on a home segment's bookkeeping.
@@ -56,7 +58,10 @@ pub enum Refresh {
 /// A transaction's uncommitted work on the segment.
 #[derive(Clone, Debug)]
 struct Tentative {
-    seg: Segment,
+    /// What the master would be with `diffs` applied, as far as checking
+    /// the next diff needs (no copy of the master: a diff costs what it
+    /// carries; the master is changed in place only at commit).
+    ahead: Ahead,
     /// Each diff with the (sub-)transaction that wrote it and its
     /// identifier (0: none given).
     diffs: Vec<(SubPath, Diff, u64)>,
@@ -223,7 +228,7 @@ impl HomeSegment {
     pub fn tentative_version(&self, tid: Tid) -> u64 {
         self.pending
             .get(&tid)
-            .map_or(self.master.version(), |t| t.seg.version())
+            .map_or(self.master.version(), |t| t.ahead.version())
     }
 
     /// Accepts a diff written by `tid` under its write lock, checked against
@@ -266,7 +271,7 @@ impl HomeSegment {
         }
         let master = &self.master;
         let t = self.pending.entry(tid).or_insert_with(|| Tentative {
-            seg: master.clone(),
+            ahead: Ahead::new(master),
             diffs: Vec::new(),
             wire: Vec::new(),
             sub_aborted: false,
@@ -276,10 +281,10 @@ impl HomeSegment {
                 "uncommitted diffs per segment".into(),
             ));
         }
-        t.seg.apply(&diff)?;
+        master.check_ahead(&mut t.ahead, &diff)?;
         t.diffs.push((path, diff, id));
         t.wire.push(wire);
-        Ok(t.seg.version())
+        Ok(t.ahead.version())
     }
 
     /// A sub-transaction of `tid` aborted: the diffs it (or its descendants)
@@ -300,13 +305,13 @@ impl HomeSegment {
         t.diffs.truncate(cut);
         t.wire.truncate(cut);
         t.sub_aborted = true;
-        let mut seg = self.master.clone();
+        let mut ahead = Ahead::new(&self.master);
         for (_, d, _) in &t.diffs {
-            if seg.apply(d).is_err() {
+            if self.master.check_ahead(&mut ahead, d).is_err() {
                 debug_assert!(false, "a prefix of checked diffs failed to replay");
             }
         }
-        t.seg = seg;
+        t.ahead = ahead;
     }
 
     /// True when `tid` committed here recently and every version it made is
@@ -338,7 +343,7 @@ impl HomeSegment {
             return None;
         }
         let changed = t.diffs.iter().map(|(_, d, _)| d.units()).sum();
-        Some((self.master.version(), t.seg.version(), changed))
+        Some((self.master.version(), t.ahead.version(), changed))
     }
 
     /// `tid`'s uncommitted diffs, in order (what prepare logs).
@@ -394,23 +399,19 @@ impl HomeSegment {
                     self.committed.pop_front();
                 }
             }
-            // The tentative copy is the master with exactly these diffs
-            // applied (the write lock kept the master still since it was
-            // made): it becomes the master, and nothing is applied twice.
-            let chained = t
-                .diffs
-                .first()
-                .is_some_and(|(_, d, _)| d.base == self.master.version())
-                && t.diffs.last().map(|(_, d, _)| d.target) == Some(t.seg.version());
-            if chained {
-                self.master = t.seg;
-            }
+            // Each diff was checked against the master with the earlier
+            // ones applied (the write lock kept the master still since):
+            // applied in place now, each costs what it changes.
             for ((_, d, id), w) in t.diffs.into_iter().zip(t.wire) {
-                if !chained {
-                    if let Err(e) = self.master.apply(&d) {
-                        debug_assert!(false, "a checked diff failed at commit: {e}");
-                        continue;
-                    }
+                // From the bytes it arrived in when kept (the faster path;
+                // the same diff, held to the same checks).
+                let applied = match &w {
+                    Some(b) => apply_diff_bytes(&mut self.master, b, usize::MAX),
+                    None => self.master.apply(&d),
+                };
+                if let Err(e) = applied {
+                    debug_assert!(false, "a checked diff failed at commit: {e}");
+                    continue;
                 }
                 self.tag = id;
                 changed += d.units();

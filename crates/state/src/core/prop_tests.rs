@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use crate::core::apply::apply_diff_bytes;
 use crate::core::codec::{decode_diff, encode_diff};
 use crate::core::mip::{BlockRef, SegUrl};
-use crate::core::segment::{Diff, DiffOp, SegLimits, Segment};
+use crate::core::segment::{Ahead, Diff, DiffOp, SegLimits, Segment};
 use crate::core::twin::{collect, Twins, Writer};
 use crate::core::types::{Field, PrimKind, TypeDesc, Unit};
 
@@ -232,6 +232,56 @@ proptest! {
             let mut o = old.clone();
             o.apply(&c).unwrap();
             prop_assert_eq!(&o, &master);
+        }
+    }
+
+    /// The home checks a transaction's diffs against the master with the
+    /// earlier ones applied, without a copy of it (`check_ahead`): it
+    /// accepts and refuses exactly what applying them in turn to a copy
+    /// does, with the same error kind, and reaches the same version.
+    #[test]
+    fn checking_ahead_matches_a_tentative_copy(rounds in prop::collection::vec(prop::collection::vec(edit(), 0..20), 1..5), pick in any::<usize>(), op in any::<usize>(), how in 0u8..7, seed in any::<u64>()) {
+        let mut base = fresh();
+        let mut names = 0;
+        let setup = vec![Edit::Alloc { ty: 14, named: true }, Edit::Alloc { ty: 15, named: false }];
+        run(&mut base, &setup, &mut names);
+        let mut writer = base.clone();
+        let mut diffs = Vec::new();
+        for edits in &rounds {
+            let d = run(&mut writer, edits, &mut names);
+            if d.target != d.base {
+                diffs.push(d);
+            }
+        }
+        prop_assume!(!diffs.is_empty());
+        let k = pick % diffs.len();
+        let d = &mut diffs[k];
+        if !d.ops.is_empty() {
+            let i = op % d.ops.len();
+            match (&mut d.ops[i], how) {
+                (DiffOp::Write { units, .. }, 0) => {
+                    let at = KINDS.iter().position(|x| *x == units[0].kind()).unwrap();
+                    units[0] = unit(KINDS[(at + 1 + (seed as usize % 12)) % 13], seed);
+                }
+                (DiffOp::Write { start, .. }, 1) => *start = u64::MAX - (seed % 4),
+                (DiffOp::Write { serial, .. }, 2) | (DiffOp::Free { serial }, 2) => *serial = 10_000 + (seed as u32 % 100),
+                (DiffOp::Alloc { data, .. }, 3) => data.push(Unit::Bool(true)),
+                (DiffOp::Alloc { serial, .. }, 4) => *serial = 1,
+                (_, 5) => d.base += 1 + seed % 3,
+                _ => {}
+            }
+        }
+        let mut copy = base.clone();
+        let mut ahead = Ahead::new(&base);
+        for d in &diffs {
+            let a = copy.apply(d);
+            let b = base.check_ahead(&mut ahead, d);
+            match (&a, &b) {
+                (Ok(()), Ok(())) => {}
+                (Err(x), Err(y)) => prop_assert_eq!(std::mem::discriminant(x), std::mem::discriminant(y), "{} / {}", x, y),
+                _ => prop_assert!(false, "copy {:?}, ahead {:?}", a, b),
+            }
+            prop_assert_eq!(ahead.version(), copy.version());
         }
     }
 

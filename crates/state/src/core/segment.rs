@@ -170,17 +170,99 @@ pub(crate) struct Overlay<'a> {
     blocks: u64,
 }
 
-impl<'a> Overlay<'a> {
-    pub(crate) fn new(seg: &'a Segment) -> Self {
-        Overlay {
-            seg,
+/// What a segment would be after some checked diffs, kept as the facts a
+/// diff check needs (no unit values): the home keeps one per writing
+/// transaction instead of a copy of the master, so accepting a diff costs
+/// what the diff carries, not what the segment holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ahead {
+    added: BTreeMap<u32, (Arc<TypeDesc>, Option<String>)>,
+    freed: BTreeSet<u32>,
+    names_gone: BTreeSet<String>,
+    next_serial: u32,
+    units: u64,
+    blocks: u64,
+    version: u64,
+}
+
+impl Ahead {
+    /// Nothing ahead of `seg` yet.
+    pub fn new(seg: &Segment) -> Self {
+        Ahead {
             added: BTreeMap::new(),
             freed: BTreeSet::new(),
             names_gone: BTreeSet::new(),
             next_serial: seg.next_serial,
             units: seg.units,
             blocks: seg.blocks.len() as u64,
+            version: seg.version,
         }
+    }
+
+    /// The version the checked diffs lead to.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+impl<'a> Overlay<'a> {
+    pub(crate) fn new(seg: &'a Segment) -> Self {
+        Self::resume(seg, Ahead::new(seg))
+    }
+
+    fn resume(seg: &'a Segment, a: Ahead) -> Self {
+        Overlay {
+            seg,
+            added: a.added,
+            freed: a.freed,
+            names_gone: a.names_gone,
+            next_serial: a.next_serial,
+            units: a.units,
+            blocks: a.blocks,
+        }
+    }
+
+    fn into_ahead(self, version: u64) -> Ahead {
+        Ahead {
+            added: self.added,
+            freed: self.freed,
+            names_gone: self.names_gone,
+            next_serial: self.next_serial,
+            units: self.units,
+            blocks: self.blocks,
+            version,
+        }
+    }
+
+    /// Checks a diff's ops in order, recording what they change.
+    fn check_ops(&mut self, ops: &[DiffOp]) -> Result<(), StateError> {
+        let lim = &self.seg.limits.types;
+        for op in ops {
+            match op {
+                DiffOp::Alloc {
+                    serial,
+                    name,
+                    ty,
+                    data,
+                } => self.check_alloc(*serial, name, ty, data)?,
+                DiffOp::Free { serial } => self.check_free(*serial)?,
+                DiffOp::Write {
+                    serial,
+                    start,
+                    units,
+                } => {
+                    let ty = self.write_type(*serial, *start, units.len() as u64)?;
+                    let mut each = units.iter();
+                    let seen = ty.walk_kinds(*start, units.len() as u64, &mut |k| {
+                        each.next().map_or(Ok(()), |u| u.check(k, lim))
+                    })?;
+                    if seen != units.len() as u64 {
+                        return Err(StateError::BadDiff("write past the end".to_string()));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks an `Alloc` op and records its block.
@@ -460,33 +542,28 @@ impl Segment {
             diff.next_serial,
             &diff.deps,
         )?;
-        let mut ov = Overlay::new(self);
-        for op in &diff.ops {
-            match op {
-                DiffOp::Alloc {
-                    serial,
-                    name,
-                    ty,
-                    data,
-                } => ov.check_alloc(*serial, name, ty, data)?,
-                DiffOp::Free { serial } => ov.check_free(*serial)?,
-                DiffOp::Write {
-                    serial,
-                    start,
-                    units,
-                } => {
-                    let ty = ov.write_type(*serial, *start, units.len() as u64)?;
-                    let mut each = units.iter();
-                    let lim = &self.limits.types;
-                    let seen = ty.walk_kinds(*start, units.len() as u64, &mut |k| {
-                        each.next().map_or(Ok(()), |u| u.check(k, lim))
-                    })?;
-                    if seen != units.len() as u64 {
-                        return Err(StateError::BadDiff("write past the end".to_string()));
-                    }
-                }
-            }
-        }
+        Overlay::new(self).check_ops(&diff.ops)
+    }
+
+    /// Checks `diff` against this copy with the diffs `ahead` stands for
+    /// applied (what [`Segment::check`] of a copy with them applied says,
+    /// without the copy) and, when it fits, moves `ahead` past it. Nothing
+    /// changes on failure.
+    pub fn check_ahead(&self, ahead: &mut Ahead, diff: &Diff) -> Result<(), StateError> {
+        self.check_head_at(
+            ahead.version,
+            diff.base,
+            diff.target,
+            diff.ops.len(),
+            diff.units(),
+            diff.next_serial,
+            &diff.deps,
+        )?;
+        let mut ov = Overlay::resume(self, ahead.clone());
+        ov.check_ops(&diff.ops)?;
+        let mut next = ov.into_ahead(diff.target);
+        next.next_serial = next.next_serial.max(diff.next_serial);
+        *ahead = next;
         Ok(())
     }
 
@@ -501,10 +578,24 @@ impl Segment {
         next_serial: u32,
         deps: &BTreeMap<SegUrl, u64>,
     ) -> Result<(), StateError> {
-        if base != self.version {
+        self.check_head_at(self.version, base, target, ops, units, next_serial, deps)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_head_at(
+        &self,
+        version: u64,
+        base: u64,
+        target: u64,
+        ops: usize,
+        units: u64,
+        next_serial: u32,
+        deps: &BTreeMap<SegUrl, u64>,
+    ) -> Result<(), StateError> {
+        if base != version {
             return Err(StateError::VersionMismatch {
                 base,
-                have: self.version,
+                have: version,
             });
         }
         if target <= base {
