@@ -72,7 +72,6 @@
 //! outlives its log. Delta numbers lost with a spill are never reused: the
 //! next number is past both `merged` and every delta found.)
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::OpenOptions;
 use std::io;
@@ -209,8 +208,7 @@ pub enum DiskError {
     },
 }
 
-/// Changes not yet in the engine's base snapshot (`None`: deleted).
-pub type Overlay = BTreeMap<Bytes, Option<Bytes>>;
+pub use crate::overlay::Overlay;
 
 /// A prepared write set as the engine keeps it: transaction, log position of
 /// its prepare record, writes.
@@ -1067,7 +1065,7 @@ impl DiskStore {
         }
         self.obsolete.extend(dropped);
         let frozen = Arc::try_unwrap(frozen).unwrap_or_else(|a| (*a).clone());
-        for (k, v) in frozen {
+        for (k, v) in frozen.into_unordered() {
             if !self.dirty.contains_key(&k) {
                 self.dirty_bytes += overlay_bytes(&k, &v);
                 self.dirty.insert(k, v);

@@ -20,6 +20,7 @@ pub mod disk;
 #[cfg(test)]
 mod disk_tests;
 pub mod lock;
+mod overlay;
 pub mod service;
 pub mod snapshot;
 pub mod store;
