@@ -88,8 +88,16 @@ pub struct ProxyArgs {
     /// Failure detector: a peer silent this long is dead.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub dead_after: Duration,
+    /// The crash tests' hooks.
+    #[command(flatten)]
+    pub hooks: LoggerHooks,
+}
+
+/// Test hooks of a logger (`weft net proxy`, `weft net tla`), hidden.
+#[derive(clap::Args, Debug)]
+pub struct LoggerHooks {
     /// Test hook: stop transactions at this commit-protocol point and print
-    /// `CRASHPOINT <point> <tid>` (a test then kills the proxy).
+    /// `CRASHPOINT <point> <tid>` (a test then kills the logger).
     #[arg(long, hide = true)]
     pub crash_at: Option<weft_tx::CrashPoint>,
     /// Test hook: hold the `--pause-tx`-th transaction (0-based, counted
@@ -101,6 +109,21 @@ pub struct ProxyArgs {
     /// Which transaction `--pause-at` holds.
     #[arg(long, hide = true, default_value_t = 0)]
     pub pause_tx: u64,
+}
+
+impl LoggerHooks {
+    /// The pause hook `--pause-at` asks for.
+    fn pause(&self) -> Option<PauseHook> {
+        self.pause_at.map(|at| pause_hook(at, self.pause_tx))
+    }
+
+    /// Adds the crash point `--crash-at` asks for to `b`.
+    fn apply_crash_at(&self, b: weft::NodeBuilder) -> weft::NodeBuilder {
+        match self.crash_at {
+            Some(point) => b.tm_config(crash_config(point)),
+            None => b,
+        }
+    }
 }
 
 /// Flags of `weft net tla`.
@@ -147,15 +170,9 @@ pub struct TlaArgs {
     /// Failure detector: a peer silent this long is dead.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub dead_after: Duration,
-    /// Test hook: as `weft net proxy --crash-at`.
-    #[arg(long, hide = true)]
-    pub crash_at: Option<weft_tx::CrashPoint>,
-    /// Test hook: as `weft net proxy --pause-at`.
-    #[arg(long, hide = true)]
-    pub pause_at: Option<PausePoint>,
-    /// Which transaction `--pause-at` holds.
-    #[arg(long, hide = true, default_value_t = 0)]
-    pub pause_tx: u64,
+    /// The crash tests' hooks.
+    #[command(flatten)]
+    pub hooks: LoggerHooks,
 }
 
 /// Flags of `weft net ls`.
@@ -218,7 +235,7 @@ pub async fn run(cmd: NetCmd) -> anyhow::Result<()> {
 async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let mut cfg = ProxyConfig::new(resolve(&a.listen)?, resolve(&a.upstream)?);
     cfg.logger.max_hold = a.max_hold;
-    cfg.pause = a.pause_at.map(|at| pause_hook(at, a.pause_tx));
+    cfg.pause = a.hooks.pause();
     let proxy = NetProxy::new(cfg);
     let mut b = Node::builder(a.id)
         .listen(resolve(&a.node_listen)?)
@@ -232,9 +249,7 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     if let Some(seed) = a.join.first() {
         b = b.join(Seed::Tcp(resolve(seed)?));
     }
-    if let Some(point) = a.crash_at {
-        b = b.tm_config(crash_config(point));
-    }
+    b = a.hooks.apply_crash_at(b);
     let node = b.start().await.context("the proxy node did not start")?;
     {
         let mut out = std::io::stdout().lock();
@@ -329,7 +344,7 @@ async fn tla(a: TlaArgs) -> anyhow::Result<()> {
         },
     );
     cfg.conn.logger.max_hold = a.max_hold;
-    cfg.pause = a.pause_at.map(|at| pause_hook(at, a.pause_tx));
+    cfg.pause = a.hooks.pause();
     let logger = TlaLogger::new(cfg);
     let mut b = Node::builder(a.id)
         .listen(resolve(&a.node_listen)?)
@@ -342,9 +357,7 @@ async fn tla(a: TlaArgs) -> anyhow::Result<()> {
     if let Some(seed) = a.join.first() {
         b = b.join(Seed::Tcp(resolve(seed)?));
     }
-    if let Some(point) = a.crash_at {
-        b = b.tm_config(crash_config(point));
-    }
+    b = a.hooks.apply_crash_at(b);
     let node = b
         .start()
         .await

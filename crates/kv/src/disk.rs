@@ -59,8 +59,9 @@
 //! ([`DiskStore::begin_flush`], [`FlushJob::write`],
 //! [`DiskStore::end_flush`]) moves `dirty` to `flushing` in O(1) under the
 //! store's lock, writes it as a new delta, reopens the deltas and builds
-//! the new one's filter outside the lock, and then reads it as one. A checkpoint is a flush committed `Immediate` with its log
-//! position; a spill (the overlay passed its bound between checkpoints) is
+//! the new one's filter outside the lock, and then reads it as one. A
+//! checkpoint is a flush committed `Immediate` with its log position; a
+//! spill (the overlay passed its bound between checkpoints) is
 //! a flush committed with `Durability::None`, so a crash forgets it together
 //! with everything after the last checkpoint, and recovery replays weft's
 //! log from there. (A merge, durable, may carry a spill's delta into the
