@@ -8,6 +8,10 @@
 //! the proxy before the proxy's commit record is forced, after it is forced
 //! and before the decision reaches the server, and after the release.
 
+mod common;
+
+use common::{free_port, tid_of};
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
@@ -93,14 +97,6 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 const FD: [&str; 4] = ["--heartbeat", "50ms", "--dead-after", "500ms"];
@@ -379,38 +375,6 @@ fn sma_server_killed_after_commit_the_peer_never_sees_an_aborted_byte() {
 
 const DELEGATE: &str = "--delegate-commit";
 
-/// The tid at the end of a `PAUSED`/`CRASHPOINT`/`COMMITTED` line.
-fn tid_of(line: &str) -> String {
-    line.split_whitespace().last().unwrap().to_string()
-}
-
-/// The transactions `weft tx list` shows live at `node` (its text table).
-fn live_txs(node: &str) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_weft"))
-        .args(["tx", "list", "--node", node])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).to_string()
-}
-
-/// Waits until `tid` is no longer live at `node` (its phase two ended:
-/// every node it had to tell acknowledged the decision).
-fn wait_forgotten(node: &str, tid: &str) {
-    // A hang guard, not a speed bound.
-    for _ in 0..600 {
-        if !live_txs(node).contains(tid) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("{tid} still live at {node}: {}", live_txs(node));
-}
-
 #[test]
 fn delegated_server_killed_before_the_proxys_force_aborts_and_the_peer_gets_only_earlier_commits() {
     let mut w = world(
@@ -427,7 +391,7 @@ fn delegated_server_killed_before_the_proxys_force_aborts_and_the_peer_gets_only
     assert_eq!(String::from_utf8_lossy(&got), "ok a\n");
     // Its late vote changes nothing: it votes no on a transaction gone.
     w.proxy.go();
-    wait_forgotten(&w.proxy.field("on"), &tid);
+    common::wait_forgotten(&w.proxy.field("on"), &tid, &[]);
 }
 
 #[test]
@@ -457,7 +421,7 @@ fn delegated_server_killed_after_the_proxys_force_gets_the_committed_answer_once
     // The proxy keeps telling the server the decision until a restarted
     // server acknowledges it; then the transaction ends at the proxy.
     let _srv2 = server(&accept, &listen, &node, &sdir, &[DELEGATE]);
-    wait_forgotten(&node, &tid);
+    common::wait_forgotten(&node, &tid, &[]);
 }
 
 #[test]
@@ -539,7 +503,7 @@ fn delegated_proxy_killed_after_its_force_the_server_commits_when_it_returns() {
     );
     let committed = srv.wait_line("COMMITTED 0");
     assert_eq!(tid_of(&committed), tid);
-    wait_forgotten(&node_listen, &tid);
+    common::wait_forgotten(&node_listen, &tid, &[]);
 }
 
 #[test]

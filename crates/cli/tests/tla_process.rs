@@ -14,6 +14,10 @@
 //! Needs root (namespaces, TUN devices, routes); prints why it skips
 //! otherwise.
 
+mod common;
+
+use common::{free_port, tid_of};
+
 use std::io::Write;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -478,40 +482,6 @@ fn logger_killed_mid_transaction_the_peer_sees_no_byte_of_it() {
 
 const DELEGATE: &str = "--delegate-commit";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The tid at the end of a `PAUSED`/`CRASHPOINT`/`COMMITTED` line.
-fn tid_of(line: &str) -> String {
-    line.split_whitespace().last().unwrap().to_string()
-}
-
-/// Waits until `tid` is no longer live at `node` (`weft tx list`): its
-/// phase two ended.
-fn wait_forgotten(node: &str, tid: &str) {
-    let live = || {
-        let out = Command::new(env!("CARGO_BIN_EXE_weft"))
-            .args(["tx", "list", "--node", node])
-            .output()
-            .unwrap();
-        assert!(out.status.success());
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
-    // A hang guard, not a speed bound.
-    for _ in 0..600 {
-        if !live().contains(tid) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("{tid} still live at {node}: {}", live());
-}
-
 fn no_byte_of(got: &[String], req: &str) {
     assert!(
         !got.iter().any(|l| l.contains(req) || l.contains("ABORTED")),
@@ -567,7 +537,7 @@ fn delegated_server_killed_after_the_loggers_force_gets_the_committed_answer_onc
     no_byte_of(&got, "req 2");
     // The logger tells the decision until a restarted server acknowledges.
     let _server2 = lab.server_at(&join, &listen, &sdir, &[DELEGATE]);
-    wait_forgotten(&join, &tid);
+    common::wait_forgotten(&join, &tid, &[]);
 }
 
 #[test]
@@ -654,7 +624,7 @@ fn delegated_logger_killed_after_its_force_the_server_commits_when_it_returns() 
         "{u}"
     );
     assert_eq!(tid_of(&server.wait_line("COMMITTED 0")), tid);
-    wait_forgotten(&node, &tid);
+    common::wait_forgotten(&node, &tid, &[]);
 }
 
 #[test]

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 
+use crate::common::free_port;
 use crate::netns::Net;
 
 const SECRET: &str = "weft-chaos";
@@ -260,14 +261,6 @@ impl Drop for Chaos {
         }
         self.dir.take();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Runs `weft ARGS` to its end: (exit code, stdout, stderr).

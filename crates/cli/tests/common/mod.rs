@@ -146,6 +146,36 @@ pub fn eventually<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<
     }
 }
 
+/// Waits until transaction `tid` is no longer live at `node` (`weft tx
+/// list`): its phase two ended, every node it had to tell acknowledged
+/// the decision. The minute is a hang guard, not a speed bound.
+pub fn wait_forgotten(node: &str, tid: &str, env: &[(&str, &str)]) {
+    eventually(
+        &format!("{tid} to be forgotten at {node}"),
+        Duration::from_secs(60),
+        || {
+            let (code, out, err) = run(&["tx", "list", "--node", node], env);
+            assert_eq!(code, 0, "weft tx list --node {node}: {err}");
+            (!out.contains(tid)).then_some(())
+        },
+    );
+}
+
+/// A TCP port on loopback that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The tid at the end of a process's `PAUSED`/`CRASHPOINT`/`COMMITTED`
+/// line.
+pub fn tid_of(line: &str) -> String {
+    line.split_whitespace().last().unwrap().to_string()
+}
+
 /// A temporary data directory path under `base` for node `id`.
 pub fn data_dir(base: &Path, id: u32) -> String {
     base.join(format!("n{id}")).display().to_string()
