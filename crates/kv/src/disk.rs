@@ -1038,12 +1038,9 @@ impl DiskStore {
     /// newer ones, to be written by the next flush. Cheap: what is opened
     /// and built for the new delta was done by the job, off the store's
     /// lock.
-    ///
-    /// Never fails today; the `Result` is kept for callers that propagate
-    /// an engine error from ending a flush.
-    pub fn end_flush(&mut self, job: &FlushJob) -> Result<(), DiskError> {
+    pub fn end_flush(&mut self, job: &FlushJob) {
         let Some(frozen) = self.flushing.take() else {
-            return Ok(());
+            return;
         };
         let dropped = std::mem::take(&mut self.flushing_dropped);
         if let Some(opened) = job.written.lock().take() {
@@ -1062,7 +1059,7 @@ impl DiskStore {
                 Arc::clone(&self.layers.path),
                 Arc::clone(&self.layers.main_path),
             ));
-            return Ok(());
+            return;
         }
         self.obsolete.extend(dropped);
         let frozen = Arc::try_unwrap(frozen).unwrap_or_else(|a| (*a).clone());
@@ -1072,7 +1069,6 @@ impl DiskStore {
                 self.dirty.insert(k, v);
             }
         }
-        Ok(())
     }
 
     /// Starts a merge of every delta table written so far into the merged
@@ -1101,15 +1097,12 @@ impl DiskStore {
     /// succeeded): reads move to the merged table holding it, opened by the
     /// job, and skip the deltas it took (the next flush drops them). Not
     /// written: nothing changes.
-    ///
-    /// Never fails today; the `Result` is kept for callers that propagate
-    /// an engine error from ending a merge.
-    pub fn end_merge(&mut self, job: &MergeJob) -> Result<(), DiskError> {
+    pub fn end_merge(&mut self, job: &MergeJob) {
         let Some(upto) = self.merging.take() else {
-            return Ok(());
+            return;
         };
         let Some(base) = job.written.lock().take() else {
-            return Ok(());
+            return;
         };
         self.merged = upto;
         let (gone, kept): (Vec<_>, Vec<_>) = self
@@ -1128,7 +1121,6 @@ impl DiskStore {
             Arc::clone(&self.layers.path),
             Arc::clone(&self.layers.main_path),
         ));
-        Ok(())
     }
 }
 
@@ -1351,6 +1343,6 @@ pub fn import(
     store.dirty_bytes = 0;
     let job = store.begin_flush().expect("no flush runs during recovery");
     let res = job.write(Some((lsn, prepared)));
-    store.end_flush(&job)?;
+    store.end_flush(&job);
     res
 }

@@ -216,7 +216,7 @@ fn open(disk: &Arc<Mutex<SimDisk>>) -> crate::disk::Opened {
 fn checkpoint(store: &mut DiskStore, lsn: u64, prepared: &[PreparedSet]) -> Result<(), String> {
     let job = store.begin_flush().unwrap();
     let res = job.write(Some((lsn, prepared))).map_err(|e| e.to_string());
-    store.end_flush(&job).map_err(|e| e.to_string())?;
+    store.end_flush(&job);
     res
 }
 
@@ -242,7 +242,7 @@ fn scenario(die_at: Option<u64>) -> (Arc<Mutex<SimDisk>>, u64, bool) {
     }
     let job = store.begin_flush().unwrap();
     let spilled = job.write(None);
-    store.end_flush(&job).unwrap();
+    store.end_flush(&job);
     spilled.unwrap();
     for i in (1..300u32).step_by(7) {
         store.apply(b(format!("k{i:04}")), None);
@@ -340,7 +340,7 @@ fn a_crash_after_a_spill_reverts_to_the_last_checkpoint() {
     store.apply(b("b"), Some(b("2")));
     let job = store.begin_flush().unwrap();
     job.write(None).unwrap();
-    store.end_flush(&job).unwrap();
+    store.end_flush(&job);
     assert_eq!(
         store.get(&b("a")).unwrap(),
         Some(b("2")),
@@ -360,7 +360,7 @@ fn merge(store: &mut DiskStore) -> Result<bool, String> {
         return Ok(false);
     };
     let res = job.write().map_err(|e| e.to_string());
-    store.end_merge(&job).map_err(|e| e.to_string())?;
+    store.end_merge(&job);
     res.map(|()| true)
 }
 
@@ -536,7 +536,7 @@ proptest! {
                 Step::Spill => {
                     let job = store.begin_flush().unwrap();
                     let res = job.write(None);
-                    store.end_flush(&job).unwrap();
+                    store.end_flush(&job);
                     res.unwrap();
                     flushed = (flushed.0 + 1, live.clone());
                 }
@@ -565,7 +565,7 @@ proptest! {
                 Step::EndMerge => {
                     if let Some((job, covered)) = merging.take() {
                         job.write().unwrap();
-                        store.end_merge(&job).unwrap();
+                        store.end_merge(&job);
                         // A checkpoint taken while it ran may be newer.
                         if covered.0 > durable.0 {
                             durable = covered;
@@ -605,7 +605,7 @@ proptest! {
             if store.should_spill() {
                 let job = store.begin_flush().unwrap();
                 job.write(None).unwrap();
-                store.end_flush(&job).unwrap();
+                store.end_flush(&job);
                 flushed = (flushed.0 + 1, live.clone());
             }
             if i % 16 == 0 {

@@ -930,23 +930,20 @@ impl Plugin for Kv {
                     .write()
                     .disk_mut()
                     .expect("on disk")
-                    .end_flush(&job)
-                    .map_err(plugin_failure)?;
+                    .end_flush(&job);
             }
             Checkpointed::Flush(job, prepared) => {
                 let written = forced.and_then(|()| {
                     job.write(Some((at.get(), &prepared)))
                         .map_err(plugin_failure)
                 });
-                let ended = self
-                    .inner
+                self.inner
                     .store
                     .write()
                     .disk_mut()
                     .expect("on disk")
                     .end_flush(&job);
                 written?;
-                ended.map_err(plugin_failure)?;
                 self.inner.checkpointed.store(at.get(), Ordering::Release);
                 tracing::info!(
                     keys = job.len(),
@@ -1024,12 +1021,10 @@ fn merge_deltas(inner: &Inner) -> Result<(), Failure> {
     };
     let started = Instant::now();
     let written = job.write().map_err(plugin_failure);
-    let ended = match inner.store.write().disk_mut() {
-        Some(d) => d.end_merge(&job).map_err(plugin_failure),
-        None => Ok(()),
-    };
+    if let Some(d) = inner.store.write().disk_mut() {
+        d.end_merge(&job);
+    }
     written?;
-    ended?;
     tracing::info!(
         entries = job.entries().unwrap_or(0),
         ms = started.elapsed().as_millis() as u64,
@@ -1067,14 +1062,13 @@ fn spill_overlay(inner: &Inner) -> Result<(), Failure> {
         _ => Ok(()),
     };
     let written = forced.and_then(|()| job.write(None).map_err(plugin_failure));
-    let ended = inner
+    inner
         .store
         .write()
         .disk_mut()
         .expect("on disk")
         .end_flush(&job);
     written?;
-    ended.map_err(plugin_failure)?;
     tracing::debug!(keys = job.len(), "kv: overlay spilled to the disk engine");
     Ok(())
 }
