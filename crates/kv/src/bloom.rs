@@ -8,6 +8,15 @@
 //! that was added (no false negatives): a delta skipped wrongly would hide
 //! a newer value behind an older one.
 //!
+//! Blocked: all probes of a key fall in one 64-byte block (one cache line),
+//! chosen by one half of the key's hash, the bits inside it by the other.
+//! A filter of 130,000 keys is 160 KiB, far past the L1 and L2 caches, so
+//! a read that checked seven scattered bits per delta took up to seven
+//! cache misses per delta; now it takes one. The hash of a key is computed
+//! once per read ([`Probe`]) and checked against every delta's filter.
+//! Blocking raises the false-positive rate a little in theory at the same
+//! size; on the test's 100,000 absent keys it stays at 0.99%.
+//!
 //! Size: ten bits a key, so the filters of the unmerged deltas, bounded by
 //! the merge bound ([`crate::disk::DiskOptions::merge_entries`]), stay a
 //! few MiB.
@@ -16,39 +25,67 @@
 const BITS_PER_KEY: usize = 10;
 /// Probes per key.
 const HASHES: u32 = 7;
+/// Bits per block (one cache line).
+const BLOCK_BITS: u64 = 512;
+/// Bits of the hash that pick one bit in a block (log2 of [`BLOCK_BITS`]).
+const BIT_INDEX_BITS: u32 = 9;
+
+/// One cache line of the filter.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(align(64))]
+struct Block([u64; 8]);
 
 /// A Bloom filter of byte-string keys.
 #[derive(Clone, Debug)]
 pub struct Bloom {
-    bits: Vec<u64>,
+    blocks: Vec<Block>,
 }
 
-/// Two independent 64-bit hashes of `key` (FNV-1a, then a SplitMix64
-/// finalizer of it and of its rotation).
-fn hashes(key: &[u8]) -> (u64, u64) {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+/// A key's hash, computed once and checked against any number of filters.
+#[derive(Clone, Copy, Debug)]
+pub struct Probe {
+    /// Picks the block.
+    block: u64,
+    /// Picks the bits inside it, [`BIT_INDEX_BITS`] bits per probe.
+    bits: u64,
+}
+
+impl Probe {
+    /// The probe of `key` (FNV-1a, then two SplitMix64 finalizers).
+    pub fn of(key: &[u8]) -> Probe {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in key {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        let mix = |mut z: u64| {
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        Probe {
+            block: mix(h),
+            bits: mix(h.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15),
+        }
     }
-    let mix = |mut z: u64| {
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    (mix(h), mix(h.rotate_left(32) ^ 0x9e37_79b9_7f4a_7c15) | 1)
+
+    /// The bit (word, mask) of probe `i` inside a block.
+    fn bit(self, i: u32) -> (usize, u64) {
+        let b = (self.bits >> (i * BIT_INDEX_BITS)) % BLOCK_BITS;
+        ((b / 64) as usize, 1 << (b % 64))
+    }
 }
 
 impl Bloom {
     /// An empty filter sized for `len` keys.
     pub fn new(len: usize) -> Bloom {
-        let words = (len.max(1) * BITS_PER_KEY).div_ceil(64);
+        let bits = (len.max(1) * BITS_PER_KEY) as u64;
         Bloom {
-            bits: vec![0; words],
+            blocks: vec![Block::default(); bits.div_ceil(BLOCK_BITS) as usize],
         }
     }
 
-    /// A filter holding `keys`.
+    /// A filter of `keys` (`len` of them, for the size).
     pub fn build<'a>(len: usize, keys: impl Iterator<Item = &'a [u8]>) -> Bloom {
         let mut bloom = Bloom::new(len);
         for k in keys {
@@ -57,28 +94,34 @@ impl Bloom {
         bloom
     }
 
-    fn probes(&self, key: &[u8]) -> [usize; HASHES as usize] {
-        let (h1, h2) = hashes(key);
-        let n = (self.bits.len() * 64) as u64;
-        let mut out = [0; HASHES as usize];
-        for (i, p) in out.iter_mut().enumerate() {
-            *p = (h1.wrapping_add(h2.wrapping_mul(i as u64)) % n) as usize;
-        }
-        out
+    /// The block a probe falls in (multiply-shift: no division).
+    fn block_of(&self, p: Probe) -> usize {
+        ((u128::from(p.block) * self.blocks.len() as u128) >> 64) as usize
     }
 
     /// Adds `key`.
     pub fn add(&mut self, key: &[u8]) {
-        for p in self.probes(key) {
-            self.bits[p / 64] |= 1 << (p % 64);
+        let p = Probe::of(key);
+        let at = self.block_of(p);
+        let block = &mut self.blocks[at].0;
+        for i in 0..HASHES {
+            let (word, mask) = p.bit(i);
+            block[word] |= mask;
         }
     }
 
     /// False when `key` was certainly not added.
     pub fn may_contain(&self, key: &[u8]) -> bool {
-        self.probes(key)
-            .into_iter()
-            .all(|p| self.bits[p / 64] & (1 << (p % 64)) != 0)
+        self.may_contain_probe(Probe::of(key))
+    }
+
+    /// False when the key `p` was computed from was certainly not added.
+    pub fn may_contain_probe(&self, p: Probe) -> bool {
+        let block = &self.blocks[self.block_of(p)].0;
+        (0..HASHES).all(|i| {
+            let (word, mask) = p.bit(i);
+            block[word] & mask != 0
+        })
     }
 }
 
@@ -92,13 +135,31 @@ mod tests {
         let bloom = Bloom::build(keys.len(), keys.iter().map(Vec::as_slice));
         for k in &keys {
             assert!(bloom.may_contain(k), "added key {k:?} reported absent");
+            assert!(bloom.may_contain_probe(Probe::of(k)));
         }
         let false_pos = (50_000..150_000u64)
             .filter(|i| bloom.may_contain(&i.to_be_bytes()))
             .count();
-        // About 1% expected; 3% would mean the hashing is broken.
-        assert!(false_pos < 3_000, "{false_pos} false positives of 100 000");
-        assert!(bloom.bits.len() * 8 <= 50_000 * BITS_PER_KEY / 8 + 8);
+        // About 1% expected (0.99% measured); 2% would mean the hashing or
+        // the blocks are broken.
+        assert!(false_pos < 2_000, "{false_pos} false positives of 100 000");
+        let bytes = bloom.blocks.len() * std::mem::size_of::<Block>();
+        assert!(bytes <= 50_000 * BITS_PER_KEY / 8 + 64, "{bytes} bytes");
+    }
+
+    #[test]
+    fn keys_like_the_stores_spread_over_the_blocks() {
+        // Account keys differ in their last bytes only: the blocks they
+        // pick must still spread (a poor mix would crowd a few blocks and
+        // raise the false positives far past the test above).
+        let keys: Vec<Vec<u8>> = (0..20_000u32)
+            .map(|i| format!("acct/{i:08}").into_bytes())
+            .collect();
+        let bloom = Bloom::build(keys.len(), keys.iter().map(Vec::as_slice));
+        let false_pos = (20_000..70_000u32)
+            .filter(|i| bloom.may_contain(format!("acct/{i:08}").as_bytes()))
+            .count();
+        assert!(false_pos < 1_000, "{false_pos} false positives of 50 000");
     }
 
     #[test]

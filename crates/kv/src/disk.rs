@@ -88,7 +88,7 @@ use weft_log::Durability;
 use weft_wire::Tid;
 
 use crate::api::Write;
-use crate::bloom::Bloom;
+use crate::bloom::{Bloom, Probe};
 
 /// The merged table (main file).
 const DATA: TableDefinition<&[u8], &[u8]> = TableDefinition::new("data");
@@ -144,7 +144,13 @@ pub struct DiskOptions {
     /// Key and value bytes changed since the last flush past which a spill
     /// is asked for.
     pub spill_bytes: usize,
-    /// Delta tables past which a merge is asked for.
+    /// Delta tables past which a merge is asked for. A merge rewrites the
+    /// merged table's leaves that its keys fall in, which at ten million
+    /// keys is most of them whatever the merge's size, so fewer, larger
+    /// merges cost less per entry; a read checks one cache line of each
+    /// unmerged delta's filter (16 by default: at scale 100, 8 deltas
+    /// were ~1.1 million entries touching ~83% of the leaves, 16 are ~2
+    /// million touching ~97%, about 1.6× less merge work per entry).
     pub merge_deltas: usize,
     /// Entries over the delta tables past which a merge is asked for.
     pub merge_entries: usize,
@@ -158,7 +164,7 @@ impl Default for DiskOptions {
             cache_bytes: 64 << 20,
             spill_entries: 262_144,
             spill_bytes: 64 << 20,
-            merge_deltas: 8,
+            merge_deltas: 16,
             merge_entries: 2_000_000,
             backend: None,
         }
@@ -345,8 +351,9 @@ impl Layers {
             }
             deltas.next();
         }
+        let probe = Probe::of(key.as_ref());
         for d in deltas {
-            if !d.filter.may_contain(key.as_ref()) {
+            if !d.filter.may_contain_probe(probe) {
                 continue;
             }
             let got = d
@@ -1171,7 +1178,7 @@ impl FlushJob {
         }
         let opened = open_deltas(&self.db, &self.path, &seqs, |seq| {
             if seq == self.seq {
-                let keys = self.entries.keys().map(|k| k.as_ref());
+                let keys = self.entries.unordered_keys().map(|k| k.as_ref());
                 let filter = Bloom::build(self.entries.len(), keys);
                 return Some((Arc::new(filter), self.entries.len() as u64));
             }
