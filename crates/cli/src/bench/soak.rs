@@ -67,6 +67,8 @@ pub struct Sample {
     pub committed: u64,
     /// Commits per second since the previous sample.
     pub tps: f64,
+    /// CPU seconds (user and system) this process used since it started.
+    pub cpu_s: f64,
     /// Checkpoints completed so far, over every site.
     pub checkpoints: u64,
     /// Longest checkpoint so far at any site, ms.
@@ -113,6 +115,7 @@ fn sample(cluster: &RaidCluster, t: f64, committed: u64, prev: Option<&Sample>) 
         rss_mib: r2(rss_mib().unwrap_or(0.0)),
         committed,
         tps: r2(tps),
+        cpu_s: r2(crate::cpu::process("self").map_or(0.0, |c| c.total_s())),
         checkpoints: cps.iter().map(|c| c.count).sum(),
         checkpoint_ms_max: r2(cps.iter().map(|c| c.max_us).max().unwrap_or(0) as f64 / 1000.0),
         checkpoint_ms_last: r2(cps.iter().map(|c| c.last_us).max().unwrap_or(0) as f64 / 1000.0),
@@ -163,6 +166,13 @@ pub struct Figures {
     pub rss_floor_mib_at_2min: f64,
     /// Lowest RSS of the samples of the last minute.
     pub rss_floor_mib_end: f64,
+    /// CPU microseconds of this process per commit over the first minute:
+    /// with the last minute's, the cost of a commit on a machine whose
+    /// load varies (throughput follows the share of the cores the process
+    /// gets; its CPU per commit much less).
+    pub cpu_us_per_commit_first_min: f64,
+    /// CPU microseconds per commit over the last minute.
+    pub cpu_us_per_commit_last_min: f64,
 }
 
 /// Computes the figures; `None` without at least two samples.
@@ -176,6 +186,13 @@ pub fn figures(samples: &[Sample]) -> Option<Figures> {
     let rate = |a: &Sample, b: &Sample| {
         if b.t_s > a.t_s {
             (b.committed - a.committed) as f64 / (b.t_s - a.t_s)
+        } else {
+            0.0
+        }
+    };
+    let cpu_per_commit = |a: &Sample, b: &Sample| {
+        if b.committed > a.committed {
+            (b.cpu_s - a.cpu_s).max(0.0) * 1e6 / (b.committed - a.committed) as f64
         } else {
             0.0
         }
@@ -197,6 +214,8 @@ pub fn figures(samples: &[Sample]) -> Option<Figures> {
         tps_last_min: r2(rate(minute_out, last)),
         rss_floor_mib_at_2min: floor(two - 30.0, two + 30.0),
         rss_floor_mib_end: floor(last.t_s - 60.0, last.t_s),
+        cpu_us_per_commit_first_min: r2(cpu_per_commit(first, minute_in)),
+        cpu_us_per_commit_last_min: r2(cpu_per_commit(minute_out, last)),
     })
 }
 
@@ -300,6 +319,10 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         f.rss_mib_at_2min, f.rss_mib_end, f.rss_floor_mib_at_2min, f.rss_floor_mib_end, f.tps_first_min, f.tps_last_min, checkpoint_ms_max
     );
     println!(
+        "  CPU per commit: {:.0} us in the first minute, {:.0} us in the last",
+        f.cpu_us_per_commit_first_min, f.cpu_us_per_commit_last_min
+    );
+    println!(
         "  audit: {}",
         if audit_passed {
             "passed"
@@ -338,6 +361,8 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         "rss_floor_mib_end": f.rss_floor_mib_end,
         "tps_first_min": f.tps_first_min,
         "tps_last_min": f.tps_last_min,
+        "cpu_us_per_commit_first_min": f.cpu_us_per_commit_first_min,
+        "cpu_us_per_commit_last_min": f.cpu_us_per_commit_last_min,
         "tps_last_over_first": if f.tps_first_min > 0.0 { r2(f.tps_last_min / f.tps_first_min) } else { 0.0 },
         "store_keys_start": keys_start,
         "store_keys_end": keys_end,
@@ -424,6 +449,7 @@ mod tests {
             rss_mib: rss,
             committed,
             tps: 0.0,
+            cpu_s: 0.0,
             checkpoints: 0,
             checkpoint_ms_max: 0.0,
             checkpoint_ms_last: 0.0,
@@ -445,10 +471,16 @@ mod tests {
                 } else {
                     6000 + ((t - 60.0) * 50.0) as u64
                 };
-                s(t, c, 100.0 + i as f64 * 10.0)
+                Sample {
+                    cpu_s: t * 0.5,
+                    ..s(t, c, 100.0 + i as f64 * 10.0)
+                }
             })
             .collect();
         let f = figures(&samples).unwrap();
+        // Half a CPU throughout: 30 CPU-s for 6,000 commits, then for 3,000.
+        assert_eq!(f.cpu_us_per_commit_first_min, 5000.0);
+        assert_eq!(f.cpu_us_per_commit_last_min, 10000.0);
         assert_eq!(f.rss_mib_at_2min, 140.0);
         assert_eq!(f.rss_mib_end, 200.0);
         assert_eq!(f.tps_first_min, 100.0);
