@@ -73,6 +73,16 @@ impl Order {
     }
 }
 
+/// The first 16 bytes of `key`, zero-padded, as a big-endian number:
+/// ordered as the keys are, except that keys equal in their first 16
+/// bytes (or differing only by trailing zeros there) compare equal.
+fn key_prefix(key: &[u8]) -> u128 {
+    let mut b = [0u8; 16];
+    let n = key.len().min(16);
+    b[..n].copy_from_slice(&key[..n]);
+    u128::from_be_bytes(b)
+}
+
 /// One sorted run of two disjoint sorted runs.
 fn merge_runs(a: &[Bytes], b: &[Bytes]) -> Arc<[Bytes]> {
     let mut out = Vec::with_capacity(a.len() + b.len());
@@ -198,6 +208,23 @@ impl Overlay {
         self.range(Bytes::new()..)
     }
 
+    /// The changes in key order, sorted on the spot without touching the
+    /// runs: for a flush of a frozen overlay, which walks every key once.
+    /// Sorts references by a 16-byte prefix of the key held beside them
+    /// (the whole key for most keys), so the comparisons stay in the
+    /// vector; walking the runs instead cost a reference count increment,
+    /// a decrement and a SipHash lookup per key, each a cache miss (a
+    /// tenth of the CPU after a checkpoint, in a profile).
+    pub fn sorted(&self) -> impl Iterator<Item = (&Bytes, &Option<Bytes>)> + '_ {
+        let mut entries: Vec<(u128, &Bytes, &Option<Bytes>)> = self
+            .index
+            .iter()
+            .map(|(k, v)| (key_prefix(k), k, v))
+            .collect();
+        entries.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(b.1)));
+        entries.into_iter().map(|(_, k, v)| (k, v))
+    }
+
     /// The keys, in no particular order.
     pub fn unordered_keys(&self) -> impl Iterator<Item = &Bytes> + '_ {
         self.index.keys()
@@ -258,12 +285,37 @@ mod tests {
                 prop_assert_eq!(got, want);
             }
             prop_assert_eq!(o.iter().collect::<Vec<_>>(), model.iter().collect::<Vec<_>>());
+            prop_assert_eq!(o.sorted().collect::<Vec<_>>(), model.iter().collect::<Vec<_>>());
             let mut keys: Vec<_> = o.unordered_keys().collect();
             keys.sort();
             prop_assert!(keys.into_iter().eq(model.keys()));
             let mut all: Vec<_> = o.clone().into_unordered().collect();
             all.sort();
             prop_assert_eq!(all, model.into_iter().collect::<Vec<_>>());
+        }
+    }
+
+    proptest! {
+        /// `sorted` orders keys as bytes do, also keys longer than its
+        /// 16-byte prefix, keys that share it, and keys that differ only
+        /// by trailing zeros (equal prefixes).
+        #[test]
+        fn sorted_orders_any_keys(
+            keys in proptest::collection::vec(
+                proptest::collection::vec(prop_oneof![Just(0u8), Just(1u8), Just(255u8)], 0..24),
+                0..200,
+            ),
+        ) {
+            let mut o = Overlay::new();
+            let mut model = BTreeMap::new();
+            for (i, k) in keys.into_iter().enumerate() {
+                let key = Bytes::from(k);
+                let value = Some(Bytes::from((i as u32).to_be_bytes().to_vec()));
+                o.insert(key.clone(), value.clone());
+                model.insert(key, value);
+            }
+            prop_assert_eq!(o.sorted().collect::<Vec<_>>(), model.iter().collect::<Vec<_>>());
+            prop_assert_eq!(o.iter().collect::<Vec<_>>(), model.iter().collect::<Vec<_>>());
         }
     }
 
