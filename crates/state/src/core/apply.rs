@@ -476,21 +476,29 @@ fn apply_writes_in_one_pass(seg: &mut Segment, bytes: &[u8], undo: &mut Undo) ->
     let lim = seg.limits().types;
     let mut units = 0u64;
     let mut whole = true;
+    // The block the last run wrote to (a refresh's runs are mostly in one
+    // block: one lookup, not one per run).
+    let mut block: Option<(u32, &mut Vec<Unit>)> = None;
     for _ in 0..nops {
         if !matches!(cur.u32(), Ok(2)) {
             whole = false;
             break;
         }
-        let (Ok(serial), Ok(start), Ok(n)) = (cur.u32(), cur.len(), cur.len()) else {
+        // (Three `Result`s in one tuple are copied about whole on every run.)
+        let run = (|| Some((cur.u32().ok()?, cur.len().ok()?, cur.len().ok()?)))();
+        let Some((serial, start, n)) = run else {
             whole = false;
             break;
         };
         units = units.saturating_add(n as u64);
+        if block.as_ref().is_none_or(|(s, _)| *s != serial) {
+            block = seg.block_data_mut(serial).map(|d| (serial, d));
+        }
         // Every unit takes at least one byte: a count past what is left
         // cannot be whole (and must not size the undo record).
         let left = bytes.len() - cur.at;
         let fits = |len: usize| n > 0 && n <= left && n <= len && start <= len - n;
-        let Some(data) = seg.block_data_mut(serial).filter(|d| fits(d.len())) else {
+        let Some((_, data)) = block.as_mut().filter(|(_, d)| fits(d.len())) else {
             whole = false;
             break;
         };
