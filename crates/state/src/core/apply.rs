@@ -339,7 +339,7 @@ pub fn apply_diff_bytes(
         let mut undo = u.take();
         let done = apply_writes_in_one_pass(seg, bytes, &mut undo);
         undo.clear();
-        if undo.bits.capacity() <= KEEP_UNDO_UNITS {
+        if undo.is_small() {
             u.set(undo);
         }
         if done {
@@ -350,7 +350,8 @@ pub fn apply_diff_bytes(
     })
 }
 
-/// Longest undo record (in units) a thread keeps for the next apply.
+/// Longest undo record (in units, or runs) a thread keeps for the next
+/// apply: a larger one, left by a rare huge diff, is freed.
 const KEEP_UNDO_UNITS: usize = 1 << 20;
 
 thread_local! {
@@ -374,6 +375,14 @@ struct Undo {
 }
 
 impl Undo {
+    /// True when its buffers are worth keeping (at most 8 MiB of bits,
+    /// 24 MiB of runs and 32 MiB of strings' and MIPs' slots).
+    fn is_small(&self) -> bool {
+        self.bits.capacity() <= KEEP_UNDO_UNITS
+            && self.runs.capacity() <= KEEP_UNDO_UNITS
+            && self.whole.capacity() <= KEEP_UNDO_UNITS
+    }
+
     fn clear(&mut self) {
         self.runs.clear();
         self.bits.clear();
