@@ -425,7 +425,7 @@ impl StateClient {
                 return Err(e);
             }
         };
-        p.decode::<HomeReply>().map_err(|e| {
+        HomeReply::from_payload(p).map_err(|e| {
             Failure::new(
                 Status::Mismatch,
                 format!("state: bad reply from {addr}: {e}"),

@@ -162,6 +162,82 @@ pub enum HomeReply {
     List(Vec<SegmentInfo>),
 }
 
+/// [`HomeReply`] with its byte fields borrowed from the bytes it is decoded
+/// from: the same postcard form (variants and fields in the same order; a
+/// `Bytes` and a `&[u8]` both travel as a length and the bytes).
+#[derive(Deserialize)]
+enum HomeReplyRef<'a> {
+    Opened {
+        version: u64,
+    },
+    Refresh {
+        version: u64,
+        #[serde(borrow)]
+        refresh: WireRefreshRef<'a>,
+        #[serde(borrow)]
+        tentative: Option<&'a [u8]>,
+        tx_version: u64,
+        tag: u64,
+        lease_ms: u64,
+    },
+    Submitted {
+        version: u64,
+    },
+    List(Vec<SegmentInfo>),
+}
+
+/// [`WireRefresh`], borrowed (see [`HomeReplyRef`]).
+#[derive(Deserialize)]
+enum WireRefreshRef<'a> {
+    Current,
+    Diff(&'a [u8]),
+    Image(&'a [u8]),
+}
+
+impl HomeReply {
+    /// Decodes a reply from its payload. The bytes of a refresh (a diff or
+    /// an image: up to the whole segment) are not copied out of the
+    /// payload: they stay a slice of the buffer the reply arrived in.
+    ///
+    /// Fails with the decoder's complaint when the bytes are not one whole
+    /// reply, or the payload holds a local value of another type.
+    pub fn from_payload(p: Payload) -> Result<HomeReply, String> {
+        let b = match p {
+            Payload::Bytes(b) => b,
+            local => return local.decode::<HomeReply>().map_err(|e| e.to_string()),
+        };
+        let r = match postcard::take_from_bytes::<HomeReplyRef<'_>>(&b) {
+            Ok((r, [])) => r,
+            Ok((_, rest)) => return Err(format!("{} trailing bytes", rest.len())),
+            Err(e) => return Err(e.to_string()),
+        };
+        Ok(match r {
+            HomeReplyRef::Opened { version } => HomeReply::Opened { version },
+            HomeReplyRef::Refresh {
+                version,
+                refresh,
+                tentative,
+                tx_version,
+                tag,
+                lease_ms,
+            } => HomeReply::Refresh {
+                version,
+                refresh: match refresh {
+                    WireRefreshRef::Current => WireRefresh::Current,
+                    WireRefreshRef::Diff(d) => WireRefresh::Diff(b.slice_ref(d)),
+                    WireRefreshRef::Image(i) => WireRefresh::Image(b.slice_ref(i)),
+                },
+                tentative: tentative.map(|t| b.slice_ref(t)),
+                tx_version,
+                tag,
+                lease_ms,
+            },
+            HomeReplyRef::Submitted { version } => HomeReply::Submitted { version },
+            HomeReplyRef::List(l) => HomeReply::List(l),
+        })
+    }
+}
+
 /// The home's configuration.
 #[derive(Clone, Debug)]
 pub struct HomeConfig {
@@ -1053,5 +1129,69 @@ impl Plugin for StateHome {
             .cloned()
             .ok_or_else(|| plugin_failure("not attached"))?;
         self.0.write_checkpoint(&dir, log).map_err(plugin_failure)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refresh(r: WireRefresh, tentative: Option<Bytes>) -> HomeReply {
+        HomeReply::Refresh {
+            version: 300,
+            refresh: r,
+            tentative,
+            tx_version: 301,
+            tag: u64::MAX,
+            lease_ms: 1000,
+        }
+    }
+
+    /// The borrowed decoder reads exactly what the owned one does, and
+    /// leaves a refresh's bytes in the buffer they came in.
+    #[test]
+    fn replies_decode_from_payload_like_postcard_without_copying_the_refresh() {
+        let info = SegmentInfo {
+            url: "weft://1/a".into(),
+            version: 7,
+            blocks: 2,
+            units: 9,
+            holders: 1,
+        };
+        let diff = Bytes::from(vec![7u8; 1000]);
+        let cases = [
+            HomeReply::Opened { version: 5 },
+            HomeReply::Submitted { version: 6 },
+            HomeReply::List(vec![info.clone(), info]),
+            refresh(WireRefresh::Current, None),
+            refresh(
+                WireRefresh::Diff(diff.clone()),
+                Some(Bytes::from_static(b"t")),
+            ),
+            refresh(WireRefresh::Image(diff), Some(Bytes::new())),
+        ];
+        for reply in cases {
+            let wire = Bytes::from(postcard::to_allocvec(&reply).expect("encode"));
+            let owned: HomeReply = postcard::from_bytes(&wire).expect("decode");
+            let got = HomeReply::from_payload(Payload::Bytes(wire.clone())).expect("decode");
+            assert_eq!(format!("{got:?}"), format!("{owned:?}"));
+            if let HomeReply::Refresh {
+                refresh: WireRefresh::Diff(d) | WireRefresh::Image(d),
+                ..
+            } = &got
+            {
+                let inside = wire.as_ptr_range();
+                assert!(inside.contains(&d.as_ptr()), "the refresh was copied");
+            }
+            // A truncated or padded reply is refused, as postcard refuses it.
+            let short = wire.slice(..wire.len() - 1);
+            assert!(HomeReply::from_payload(Payload::Bytes(short)).is_err());
+            let mut long = wire.to_vec();
+            long.push(0);
+            assert!(HomeReply::from_payload(Payload::Bytes(long.into())).is_err());
+        }
+        // A local reply (same process) is taken as it is.
+        let got = HomeReply::from_payload(Payload::local(HomeReply::Opened { version: 9 }));
+        assert!(matches!(got, Ok(HomeReply::Opened { version: 9 })));
     }
 }

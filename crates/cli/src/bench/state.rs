@@ -63,6 +63,21 @@ pub struct StateArgs {
     /// The home's version-notice lease in milliseconds (0: no notices).
     #[arg(long, default_value_t = 1000)]
     pub notice_lease_ms: u64,
+    /// Run only these parts, for profiling one (`fig3`, `cached`, `null`,
+    /// `null-plain`, `null-tmt`, `chain`; default: all). The deep copy
+    /// always runs; a skipped part's keys read 0.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// The Fig. 3 points: percent of the records changed.
+    #[arg(long, value_delimiter = ',', default_value = "1,5,10,25,50,100")]
+    pub pcts: Vec<u32>,
+}
+
+impl StateArgs {
+    /// True when part `name` runs.
+    fn runs(&self, name: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| o == name)
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -237,11 +252,19 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     pb.finish_and_clear();
 
     // Fig. 3.
-    let pcts = [1u32, 5, 10, 25, 50, 100];
+    let pcts: Vec<u32> = if args.runs("fig3") {
+        args.pcts
+            .iter()
+            .copied()
+            .filter(|p| (1..=100).contains(p))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut curve = Vec::new();
     let mut moved = Vec::new();
     let mut round = 0i64;
-    for pct in pcts {
+    for &pct in &pcts {
         let pb = progress(&format!("update {pct}% and refresh a Full reader"));
         let step = (100 / pct) as usize;
         let mut lat = Latency::default();
@@ -303,7 +326,8 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     let model = Coherence::Temporal(Duration::from_secs(3600));
     let delta = Coherence::Delta(1000);
     let asked = reader.stats().lock_messages;
-    for i in 0..args.calls {
+    let cached_calls = if args.runs("cached") { args.calls } else { 0 };
+    for i in 0..cached_calls {
         // The first read after the one-RPC read below runs with caches the
         // RPC cooled: alternate which model goes first, so that neither pays
         // for it alone (Temporal always first measured 0.052x against
@@ -337,7 +361,14 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     let pb = progress("transactional null RPC with and without a TMT");
     let mut plain = Latency::default();
     let mut with_tmt = Latency::default();
+    let null_both = args.runs("null");
     for round in 0..2 * 10 {
+        let run = null_both
+            || (round % 2 == 0 && args.runs("null-plain"))
+            || (round % 2 == 1 && args.runs("null-tmt"));
+        if !run {
+            continue;
+        }
         let tx = b.begin();
         if round % 2 == 1 {
             reader.read(tx.context(), &url, &model, |_| ()).await?;
@@ -384,7 +415,12 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
     )?;
     let chain: Address = "chain@1".parse()?;
     let mut chains = Vec::new();
-    for proactive in [false, true] {
+    let chain_kinds: &[bool] = if args.runs("chain") {
+        &[false, true]
+    } else {
+        &[]
+    };
+    for &proactive in chain_kinds {
         writer.set_proactive(proactive);
         reader.set_proactive(proactive);
         let pb = progress(&format!(
@@ -444,6 +480,7 @@ pub async fn run(args: StateArgs) -> anyhow::Result<()> {
         pb.finish_and_clear();
         chains.push(ph);
     }
+    chains.resize_with(2, ChainPhases::default);
     let (plain_chain, pro_chain) = (&chains[0], &chains[1]);
 
     let full_us = full.p50();

@@ -1,16 +1,21 @@
 //! Applying a diff straight from its wire form (docs/state.md, "Diff").
 //!
-//! Owns the receiving side's fast path: two passes over the diff's bytes
-//! with no intermediate [`Diff`](super::segment::Diff). The first decodes
-//! every op, checks it against the segment and the limits (each `Write`
-//! unit is checked against the layout's kind as it is read, and dropped);
-//! the second, only when the first found nothing wrong, decodes the `Write`
-//! runs again straight into the blocks. It accepts and refuses exactly what
-//! [`decode_diff`](super::codec::decode_diff) followed by
-//! [`Segment::apply`] does, with the same status.
+//! Owns the receiving side's fast path, with no intermediate
+//! [`Diff`](super::segment::Diff). A diff of `Write`s only (the common
+//! refresh) is checked and applied in one pass over its bytes, each unit
+//! written as it is read with its old value kept in an undo record; when
+//! anything is refused or malformed, the record puts every unit back and
+//! the diff goes the general way. That way has two passes: the first
+//! decodes every op, checks it against the segment and the limits (each
+//! `Write` unit is checked against the layout's kind as it is read, and
+//! dropped); the second, only when the first found nothing wrong, decodes
+//! the `Write` runs again straight into the blocks. Either way it accepts
+//! and refuses exactly what [`decode_diff`](super::codec::decode_diff)
+//! followed by [`Segment::apply`] does, with the same status.
 //!
-//! Must never change the segment before the whole diff is checked
-//! (all or nothing), and never trust a length before reading what it counts.
+//! Must leave a segment that refuses a diff exactly as it was (all or
+//! nothing: unchanged, or every change undone), and never trust a length
+//! before reading what it counts.
 
 use std::collections::VecDeque;
 
@@ -243,6 +248,45 @@ impl<'a> Cursor<'a> {
         }
         Ok(())
     }
+
+    /// Reads the next unit over `slot` when it is of the slot's kind (and
+    /// within the limits), keeping the old value in `undo`. Fails (with
+    /// nothing written for this unit) when the bytes are malformed or the
+    /// unit is of another kind; the error says no more than that.
+    #[inline]
+    fn unit_over(
+        &mut self,
+        slot: &mut Unit,
+        undo: &mut Undo,
+        lim: &TypeLimits,
+    ) -> Result<(), StateError> {
+        let tag = self.u32()?;
+        let old = bits_of(slot);
+        match (tag, &mut *slot) {
+            (0, Unit::Bool(x)) => *x = self.bool()?,
+            (1, Unit::I8(x)) => *x = self.byte()? as i8,
+            (2, Unit::I16(x)) => *x = unzigzag16(self.u16()?),
+            (3, Unit::I32(x)) => *x = unzigzag32(self.u32()?),
+            (4, Unit::I64(x)) => *x = unzigzag64(self.u64()?),
+            (5, Unit::U8(x)) => *x = self.byte()?,
+            (6, Unit::U16(x)) => *x = self.u16()?,
+            (7, Unit::U32(x)) => *x = self.u32()?,
+            (8, Unit::U64(x)) => *x = self.u64()?,
+            (9, Unit::F32(x)) => *x = f32::from_le_bytes(self.bytes()?),
+            (10, Unit::F64(x)) => *x = f64::from_le_bytes(self.bytes()?),
+            (_, Unit::Str(_) | Unit::Mip(_) | Unit::Null) => {
+                let u = self.unit_body(tag)?;
+                u.check(slot.kind(), lim)?;
+                undo.bits.push(0);
+                undo.whole.push(std::mem::replace(slot, u));
+                return Ok(());
+            }
+            _ => return Err(bad("a unit of another kind")),
+        }
+        // Every arm above that wrote keeps the slot's fixed-size variant.
+        undo.bits.push(old.unwrap_or(0));
+        Ok(())
+    }
 }
 
 fn unzigzag16(n: u16) -> i16 {
@@ -291,6 +335,212 @@ pub fn apply_diff_bytes(
             bytes.len()
         )));
     }
+    UNDO.with(|u| {
+        let mut undo = u.take();
+        let done = apply_writes_in_one_pass(seg, bytes, &mut undo);
+        undo.clear();
+        if undo.is_small() {
+            u.set(undo);
+        }
+        if done {
+            Ok(())
+        } else {
+            apply_in_two_passes(seg, bytes)
+        }
+    })
+}
+
+/// Longest undo record (in units, or runs) a thread keeps for the next
+/// apply: a larger one, left by a rare huge diff, is freed.
+const KEEP_UNDO_UNITS: usize = 1 << 20;
+
+thread_local! {
+    /// The undo record's buffers, kept from one apply to the next: a
+    /// refresh of a whole segment writes hundreds of KB of them, and fresh
+    /// memory for each would cost its page faults every time.
+    static UNDO: std::cell::Cell<Undo> = std::cell::Cell::new(Undo::default());
+}
+
+/// What a one-pass apply overwrote, to put back when a later part of the
+/// diff is refused.
+#[derive(Default)]
+struct Undo {
+    /// `(serial, start, units written)` of each run, in order.
+    runs: Vec<(u32, usize, usize)>,
+    /// One entry per unit written, in order: the old value's bits for a
+    /// fixed-size unit (0 for a string or MIP).
+    bits: Vec<u64>,
+    /// The old values of the strings and MIPs written, in order.
+    whole: Vec<Unit>,
+}
+
+impl Undo {
+    /// True when its buffers are worth keeping (at most 8 MiB of bits,
+    /// 24 MiB of runs and 32 MiB of strings' and MIPs' slots).
+    fn is_small(&self) -> bool {
+        self.bits.capacity() <= KEEP_UNDO_UNITS
+            && self.runs.capacity() <= KEEP_UNDO_UNITS
+            && self.whole.capacity() <= KEEP_UNDO_UNITS
+    }
+
+    fn clear(&mut self) {
+        self.runs.clear();
+        self.bits.clear();
+        self.whole.clear();
+    }
+
+    /// Puts back every unit written, newest first (a diff chained from
+    /// several may write a unit twice): `seg` is again what it was.
+    fn restore(&mut self, seg: &mut Segment) {
+        for &(serial, start, n) in self.runs.iter().rev() {
+            let data = seg
+                .block_data_mut(serial)
+                .expect("a block written to is still there");
+            for slot in data[start..start + n].iter_mut().rev() {
+                let b = self.bits.pop().expect("one entry per unit written");
+                if !set_bits(slot, b) {
+                    *slot = self.whole.pop().expect("one value per string or MIP");
+                }
+            }
+        }
+        self.clear();
+    }
+}
+
+/// The bits of a fixed-size unit (`None` for a string or MIP).
+#[inline]
+fn bits_of(u: &Unit) -> Option<u64> {
+    Some(match *u {
+        Unit::Bool(x) => u64::from(x),
+        Unit::I8(x) => x as u8 as u64,
+        Unit::I16(x) => x as u16 as u64,
+        Unit::I32(x) => x as u32 as u64,
+        Unit::I64(x) => x as u64,
+        Unit::U8(x) => u64::from(x),
+        Unit::U16(x) => u64::from(x),
+        Unit::U32(x) => u64::from(x),
+        Unit::U64(x) => x,
+        Unit::F32(x) => u64::from(x.to_bits()),
+        Unit::F64(x) => x.to_bits(),
+        Unit::Str(_) | Unit::Mip(_) | Unit::Null => return None,
+    })
+}
+
+/// Sets a fixed-size unit from [`bits_of`]'s form, keeping its variant;
+/// `false` (nothing done) for a string or MIP.
+#[inline]
+fn set_bits(u: &mut Unit, b: u64) -> bool {
+    match u {
+        Unit::Bool(x) => *x = b != 0,
+        Unit::I8(x) => *x = b as u8 as i8,
+        Unit::I16(x) => *x = b as u16 as i16,
+        Unit::I32(x) => *x = b as u32 as i32,
+        Unit::I64(x) => *x = b as i64,
+        Unit::U8(x) => *x = b as u8,
+        Unit::U16(x) => *x = b as u16,
+        Unit::U32(x) => *x = b as u32,
+        Unit::U64(x) => *x = b,
+        Unit::F32(x) => *x = f32::from_bits(b as u32),
+        Unit::F64(x) => *x = f64::from_bits(b),
+        Unit::Str(_) | Unit::Mip(_) | Unit::Null => return false,
+    }
+    true
+}
+
+/// The common refresh, a diff of `Write`s only, checked and applied in one
+/// pass over its bytes: each unit is written as it is read, its old value
+/// kept in `undo`. `true`: the whole diff was well formed, fitted, and is
+/// applied. `false`: `seg` is as before (anything written was put back)
+/// and the diff is for [`apply_in_two_passes`] to apply or refuse, with the
+/// status it gives: one holding an `Alloc` or `Free`, refused, or malformed.
+///
+/// A slot holds a value of its layout's kind (every path into a segment
+/// checks it), so a unit of the slot's own variant is of the layout's
+/// kind: the layout is not walked.
+fn apply_writes_in_one_pass(seg: &mut Segment, bytes: &[u8], undo: &mut Undo) -> bool {
+    let Ok((head, rest)) = postcard::take_from_bytes::<Head>(bytes) else {
+        return false;
+    };
+    let mut cur = Cursor {
+        b: bytes,
+        at: bytes.len() - rest.len(),
+    };
+    let Ok(nops) = cur.len() else {
+        return false;
+    };
+    if resolve_types(&head.types).is_err() {
+        return false;
+    }
+    let Ok(deps) = deps_from(head.deps) else {
+        return false;
+    };
+    // A diff that does not apply to this version goes no further (the
+    // units' limit is checked once they are counted).
+    if seg
+        .check_head(head.base, head.target, nops, 0, head.next_serial, &deps)
+        .is_err()
+    {
+        return false;
+    }
+    let lim = seg.limits().types;
+    let mut units = 0u64;
+    let mut whole = true;
+    // The block the last run wrote to (a refresh's runs are mostly in one
+    // block: one lookup, not one per run).
+    let mut block: Option<(u32, &mut Vec<Unit>)> = None;
+    for _ in 0..nops {
+        if !matches!(cur.u32(), Ok(2)) {
+            whole = false;
+            break;
+        }
+        // (Three `Result`s in one tuple are copied about whole on every run.)
+        let run = (|| Some((cur.u32().ok()?, cur.len().ok()?, cur.len().ok()?)))();
+        let Some((serial, start, n)) = run else {
+            whole = false;
+            break;
+        };
+        units = units.saturating_add(n as u64);
+        if block.as_ref().is_none_or(|(s, _)| *s != serial) {
+            block = seg.block_data_mut(serial).map(|d| (serial, d));
+        }
+        // Every unit takes at least one byte: a count past what is left
+        // cannot be whole (and must not size the undo record).
+        let left = bytes.len() - cur.at;
+        let fits = |len: usize| n > 0 && n <= left && n <= len && start <= len - n;
+        let Some((_, data)) = block.as_mut().filter(|(_, d)| fits(d.len())) else {
+            whole = false;
+            break;
+        };
+        undo.bits.reserve(n);
+        let mut written = 0;
+        for slot in &mut data[start..start + n] {
+            if cur.unit_over(slot, undo, &lim).is_err() {
+                break;
+            }
+            written += 1;
+        }
+        undo.runs.push((serial, start, written));
+        if written < n {
+            whole = false;
+            break;
+        }
+    }
+    if !whole
+        || cur.at != bytes.len()
+        || seg
+            .check_head(head.base, head.target, nops, units, head.next_serial, &deps)
+            .is_err()
+    {
+        undo.restore(seg);
+        return false;
+    }
+    seg.finish_diff(head.target, head.next_serial, &deps);
+    true
+}
+
+/// [`apply_diff_bytes`] for any diff, in two passes: decode and check
+/// everything, then (only when nothing was refused) apply.
+fn apply_in_two_passes(seg: &mut Segment, bytes: &[u8]) -> Result<(), StateError> {
     let (head, rest) = postcard::take_from_bytes::<Head>(bytes)
         .map_err(|e| StateError::Decode(format!("diff: {e}")))?;
     let mut cur = Cursor {
