@@ -258,6 +258,22 @@ pub enum FsOp {
         /// The file.
         path: String,
     },
+    /// Make the file hold exactly `data` (created, or replaced whole): a
+    /// small file in one request instead of a `Create` and a `Write`.
+    Put {
+        /// The file.
+        path: String,
+        /// Its whole content.
+        data: Bytes,
+    },
+    /// Run `ops` in order, in one request (many small changes without a
+    /// round trip each); stops at the first that fails and returns its
+    /// error (those before it stay done in the transaction). A batch may
+    /// not hold a batch. Replies [`FsReply::Batch`], one reply per op.
+    Batch {
+        /// The operations.
+        ops: Vec<FsOp>,
+    },
 }
 
 /// A request to the `fs` service: one operation on one volume.
@@ -280,6 +296,8 @@ pub enum FsReply {
     Entries(Vec<DirEntry>),
     /// `Read`: the bytes (shorter than asked at end of file).
     Data(Bytes),
+    /// `Batch`: each operation's reply, in order.
+    Batch(Vec<FsReply>),
 }
 
 /// The service's response: the reply or the file store's error (carried as

@@ -220,7 +220,29 @@ impl Fs {
     /// Fails with the operation's [`FsError`].
     pub async fn execute(&self, xid: &Xid, req: FsRequest) -> FsResponse {
         let v = self.volume(&req.volume)?;
-        Ok(match req.op {
+        match req.op {
+            FsOp::Batch { ops } => {
+                let mut replies = Vec::with_capacity(ops.len());
+                for op in ops {
+                    replies.push(Self::execute_one(v, xid, op).await?);
+                }
+                Ok(FsReply::Batch(replies))
+            }
+            op => Self::execute_one(v, xid, op).await,
+        }
+    }
+
+    /// Runs one operation that is not a batch (a nested batch is refused:
+    /// Unsupported).
+    async fn execute_one(v: &Volume, xid: &Xid, op: FsOp) -> FsResponse {
+        Ok(match op {
+            FsOp::Batch { .. } => {
+                return Err(FsError::Unsupported("a batch inside a batch".into()))
+            }
+            FsOp::Put { path, data } => {
+                v.put_bytes(xid, &path, &data).await?;
+                FsReply::Done
+            }
             FsOp::Create { path, exclusive } => {
                 v.create(xid, &path, exclusive).await?;
                 FsReply::Done
@@ -623,6 +645,21 @@ impl VolumeRef {
     /// Fails with AlreadyExists, NotFound, and like [`VolumeRef::create`].
     pub async fn mkdir(&self, tx: &TxContext, path: &str) -> Result<(), FsError> {
         self.done(tx, FsOp::Mkdir { path: path.into() }).await
+    }
+
+    /// Runs `ops` in order in one request (one round trip to a remote
+    /// volume); returns one reply per op.
+    ///
+    /// Fails with the first op's error (the ops before it stay done in the
+    /// transaction), Unsupported for a batch inside the batch.
+    pub async fn batch(&self, tx: &TxContext, ops: Vec<FsOp>) -> Result<Vec<FsReply>, FsError> {
+        match self.run(tx, FsOp::Batch { ops }).await? {
+            FsReply::Batch(r) => Ok(r),
+            r => Err(FsError::Tx(Failure::new(
+                Status::Mismatch,
+                format!("unexpected reply {r:?}"),
+            ))),
+        }
     }
 
     /// Removes an empty directory.

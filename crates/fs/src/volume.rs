@@ -290,7 +290,16 @@ impl Volume {
     /// (a second name for a file would bypass its lock). The last component
     /// is never followed.
     fn disk(&self, p: &VPath) -> Result<PathBuf, FsError> {
+        Ok(self.walk(p)?.0)
+    }
+
+    /// Like [`Volume::disk`], also saying whether `p`'s parent is a
+    /// directory on disk (the walk lstats every parent component anyway):
+    /// when it is not, nothing committed is at `p` either, which spares the
+    /// callers that create a name a `stat` of the parent and of the name.
+    fn walk(&self, p: &VPath) -> Result<(PathBuf, bool), FsError> {
         let mut at = self.inner.root.clone();
+        let mut parent_on_disk = true;
         let parts: Vec<&str> = if p.is_root() {
             Vec::new()
         } else {
@@ -318,12 +327,22 @@ impl Volume {
                         ))
                     });
                 }
-                Ok(_) => {}
+                Ok(m) if m.is_dir() => {}
+                // A file (or other) on the way: nothing below it exists.
+                Ok(_) => {
+                    parent_on_disk = false;
+                    at = self.inner.root.join(p.as_str());
+                    break;
+                }
                 // Missing (or not a directory): nothing below it exists.
-                Err(_) => break,
+                Err(_) => {
+                    parent_on_disk = false;
+                    at = self.inner.root.join(p.as_str());
+                    break;
+                }
             }
         }
-        Ok(at)
+        Ok((at, parent_on_disk))
     }
 
     /// Parses a client's name and refuses one that leaves the volume.
@@ -541,26 +560,54 @@ impl Volume {
     pub async fn create(&self, xid: &Xid, path: &str, exclusive: bool) -> Result<(), FsError> {
         let p = self.name_of(path)?;
         self.lock_entry(xid.tid, &p).await?;
+        let (_, parent_on_disk) = self.walk(&p)?;
         self.with_branch(xid, |v, b| {
-            v.parent_is_dir(b, &p)?;
-            match v.seen(Some(b), &p)? {
-                Seen::Dir => return Err(FsError::IsADirectory(p.to_string())),
-                Seen::Absent => {}
-                _ if exclusive => return Err(FsError::AlreadyExists(p.to_string())),
-                _ => {}
-            }
-            v.check_changes(b)?;
-            Self::ensure_stage(b)?;
-            v.note(b, &p)?;
-            let id = match b.entries.get(&p) {
-                Some(Node::File(FileNode::Staged { id, .. })) => *id,
-                _ => Self::new_id(b),
-            };
+            let id = v.new_name(b, &p, parent_on_disk, exclusive)?;
             let f = b.stage.join(format!("n{id}"));
             File::create(&f).map_err(io_err(&p))?;
             b.entries
                 .insert(p.clone(), Node::File(FileNode::Staged { id, len: 0 }));
             Ok(())
+        })
+    }
+
+    /// The checks and bookkeeping of making `p` a new file (created or
+    /// replaced), under its write lock: returns the staging id its content
+    /// goes to (the branch's own file's, else a new one), the caller writes
+    /// it and records the node. `parent_on_disk` is [`Volume::walk`]'s,
+    /// taken under the lock (no one else can add or remove `p` or its
+    /// parent then): when the branch leaves the parent alone and it is a
+    /// directory on disk, it needs no `stat`; when it is not on disk,
+    /// nothing committed is at `p`.
+    fn new_name(
+        &self,
+        b: &mut Branch,
+        p: &VPath,
+        parent_on_disk: bool,
+        exclusive: bool,
+    ) -> Result<u64, FsError> {
+        let parent = p.parent();
+        let branch_knows = |q: &VPath| b.entries.contains_key(q) || b.removed.contains(q);
+        if !parent_on_disk || branch_knows(&parent) {
+            self.parent_is_dir(b, p)?;
+        }
+        let seen = if !parent_on_disk && !branch_knows(p) {
+            Seen::Absent
+        } else {
+            self.seen(Some(b), p)?
+        };
+        match seen {
+            Seen::Dir => return Err(FsError::IsADirectory(p.to_string())),
+            Seen::Absent => {}
+            _ if exclusive => return Err(FsError::AlreadyExists(p.to_string())),
+            _ => {}
+        }
+        self.check_changes(b)?;
+        Self::ensure_stage(b)?;
+        self.note(b, p)?;
+        Ok(match b.entries.get(p) {
+            Some(Node::File(FileNode::Staged { id, .. })) => *id,
+            _ => Self::new_id(b),
         })
     }
 
@@ -1282,7 +1329,8 @@ impl Volume {
         let mut src = File::open(source).map_err(io_err(source.display()))?;
         let size = src.metadata().map_err(io_err(source.display()))?.len();
         self.create(xid, path, false).await?;
-        let p = self.name_of(path)?;
+        // Checked by `create`.
+        let p = VPath::parse_name(path)?;
         self.with_branch(xid, |v, b| {
             v.charge(b, size)?;
             let Some(Node::File(FileNode::Staged { id, .. })) = b.entries.get(&p).cloned() else {
@@ -1297,6 +1345,31 @@ impl Volume {
             b.entries
                 .insert(p.clone(), Node::File(FileNode::Staged { id, len: n }));
             Ok(n)
+        })
+    }
+
+    /// Makes `path` hold exactly `data` (created or replaced whole), with
+    /// one walk of its path under its write lock (a `create` and a `write`
+    /// in one, for small files).
+    ///
+    /// Fails like [`Volume::create`].
+    pub async fn put_bytes(&self, xid: &Xid, path: &str, data: &[u8]) -> Result<(), FsError> {
+        let p = VPath::parse_name(path)?;
+        self.lock_entry(xid.tid, &p).await?;
+        let (_, parent_on_disk) = self.walk(&p)?;
+        self.with_branch(xid, |v, b| {
+            let id = v.new_name(b, &p, parent_on_disk, false)?;
+            v.charge(b, data.len() as u64)?;
+            let f = b.stage.join(format!("n{id}"));
+            fs::write(&f, data).map_err(io_err(&p))?;
+            b.entries.insert(
+                p.clone(),
+                Node::File(FileNode::Staged {
+                    id,
+                    len: data.len() as u64,
+                }),
+            );
+            Ok(())
         })
     }
 
@@ -1317,13 +1390,17 @@ impl Volume {
             )));
         }
         let size = meta.len();
-        self.create(xid, path, false).await?;
-        let p = self.name_of(path)?;
+        let p = VPath::parse_name(path)?;
+        self.lock_entry(xid.tid, &p).await?;
+        // Under the lock, so what it says about `p` stays true; one walk
+        // serves the escape check, the parent and the name (most of the
+        // cost of taking a small file was `stat`ing them again).
+        let (_, parent_on_disk) = self.walk(&p)?;
         self.with_branch(xid, |v, b| {
+            let id = v.new_name(b, &p, parent_on_disk, false)?;
             v.charge(b, size)?;
-            let Some(Node::File(FileNode::Staged { id, .. })) = b.entries.get(&p).cloned() else {
-                return Err(FsError::Io(format!("{p}: created file not staged")));
-            };
+            // Renamed over the branch's older content of `p`, if any: no
+            // empty file is made first.
             let dst = b.stage.join(format!("n{id}"));
             let n = match fs::rename(source, &dst) {
                 Ok(()) => size,
@@ -2042,31 +2119,46 @@ fn publish(
         let p = &place.path;
         let target = at(p);
         let from = stage.join(&place.staged);
-        match (&place.inline, from.exists()) {
-            (Some(data), true) => {
-                // Its staging copy was never forced: after a crash it is
-                // rewritten from the record before it is renamed in.
-                if recovering {
-                    fs::write(&from, data).map_err(io_err(p))?;
+        if !recovering {
+            // The common case needs no `stat` first: a staging copy that is
+            // gone was renamed in already (the same outcome as below).
+            match fs::rename(&from, &target) {
+                Ok(()) => {
+                    dirs.insert(parent_of(&target));
                 }
-                fs::rename(&from, &target).map_err(io_err(p))?;
-                dirs.insert(parent_of(&target));
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) && !from.exists() => {}
+                Err(e) => return Err(FsError::io(p, &e)),
             }
-            (Some(data), false) => {
-                // Renamed in before a crash, maybe without its data: write
-                // it again (nothing later in this plan changes this file,
-                // and the transaction's locks kept every other one away).
-                if recovering {
+        } else {
+            // Recovering: the staging copies of inline data may be lost.
+            match (&place.inline, from.exists()) {
+                (Some(data), true) => {
+                    // Its staging copy was never forced: after a crash it is
+                    // rewritten from the record before it is renamed in.
+                    fs::write(&from, data).map_err(io_err(p))?;
+                    fs::rename(&from, &target).map_err(io_err(p))?;
+                    dirs.insert(parent_of(&target));
+                }
+                (Some(data), false) => {
+                    // Renamed in before a crash, maybe without its data: write
+                    // it again (nothing later in this plan changes this file,
+                    // and the transaction's locks kept every other one away).
                     fs::write(&target, data).map_err(io_err(p))?;
                 }
+                (None, true) => {
+                    fs::rename(&from, &target).map_err(io_err(p))?;
+                    dirs.insert(parent_of(&target));
+                }
+                (None, false) => {} // renamed in already; its data was forced
             }
-            (None, true) => {
-                fs::rename(&from, &target).map_err(io_err(p))?;
-                dirs.insert(parent_of(&target));
-            }
-            (None, false) => {} // renamed in already; its data was forced
         }
-        files.push(target);
+        // A new file's staging copy not inline was forced at prepare (data
+        // and inode): only its new name needs forcing, which its
+        // directory's force does. Inline data was never forced on disk,
+        // and a moved file (`m`) may hold a plain writer's unforced bytes.
+        if place.inline.is_some() || !place.staged.starts_with('n') {
+            files.push(target);
+        }
         if i == 0 {
             if let Some(h) = hook {
                 h("mid-phase-b");

@@ -232,3 +232,82 @@ async fn streaming_a_local_file_to_a_remote_volume() {
     settled(&[&t.fs1, &t.fs2]).await;
     assert_eq!(std::fs::read(t.v2.path().join("copy.bin")).unwrap(), data);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_small_files_runs_in_order_and_stops_at_its_first_failure() {
+    use weft_fs::{FsOp, FsReply};
+    let t = two(VolumeLimits::default()).await;
+    let put = |path: &str, data: &'static [u8]| FsOp::Put {
+        path: path.into(),
+        data: Bytes::from_static(data),
+    };
+    // Made in order: the directory, then the files in it; a put replaces.
+    let tx = t.n1.begin();
+    let c = tx.context().clone();
+    let r = t
+        .remote
+        .batch(
+            &c,
+            vec![
+                FsOp::Mkdir { path: "d".into() },
+                put("d/a", b"one"),
+                put("d/b", b"two"),
+                put("d/a", b"three"),
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r, vec![FsReply::Done; 4]);
+    assert_eq!(
+        t.remote
+            .read(&c, "d/a", 0, 16, ReadMode::Degree2)
+            .await
+            .unwrap(),
+        Bytes::from_static(b"three")
+    );
+    tx.commit().await.unwrap();
+    settled(&[&t.fs1, &t.fs2]).await;
+    assert_eq!(std::fs::read(t.v2.path().join("d/a")).unwrap(), b"three");
+    assert_eq!(std::fs::read(t.v2.path().join("d/b")).unwrap(), b"two");
+    // The first failure ends the batch (what ran before it stays done in
+    // the transaction); an abort undoes it; a batch in a batch is refused.
+    let tx = t.n1.begin();
+    let c = tx.context().clone();
+    let e = t
+        .remote
+        .batch(
+            &c,
+            vec![put("d/c", b"x"), put("missing/e", b"y"), put("d/f", b"z")],
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::NotFound(_)), "{e:?}");
+    assert!(t
+        .remote
+        .stat(&c, "d/c", ReadMode::Degree2)
+        .await
+        .unwrap()
+        .is_some());
+    assert!(t
+        .remote
+        .stat(&c, "d/f", ReadMode::Degree2)
+        .await
+        .unwrap()
+        .is_none());
+    let e = t
+        .remote
+        .batch(&c, vec![FsOp::Batch { ops: vec![] }])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::Unsupported(_)), "{e:?}");
+    let e = t
+        .remote
+        .batch(&c, vec![put("../x", b"y")])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FsError::Escape(_)), "{e:?}");
+    tx.abort("test").await.unwrap();
+    settled(&[&t.fs1, &t.fs2]).await;
+    assert!(!t.v2.path().join("d/c").exists());
+    assert!(!t.v2.path().join("d/f").exists());
+}

@@ -80,9 +80,11 @@ pub async fn run(args: FsRunArgs) -> anyhow::Result<()> {
         f("weft_status_ms")
     );
     println!(
-        "  Andrew-like script: plain {:.3} s, weft run {:.3} s",
+        "  Andrew-like script: plain {:.3} s, weft run --fs (embedded node) {:.3} s, \
+         weft run --node --fs (resident node) {:.3} s",
         f("andrew_plain_s"),
-        f("andrew_run_s")
+        f("andrew_run_s"),
+        f("andrew_run_node_s")
     );
     check(
         "null_run_ms / null_plain_ms",
@@ -93,6 +95,12 @@ pub async fn run(args: FsRunArgs) -> anyhow::Result<()> {
     check(
         "andrew_run_s / andrew_plain_s",
         f("andrew_run_s") / f("andrew_plain_s"),
+        "<=",
+        1.10,
+    );
+    check(
+        "andrew_run_node_s / andrew_plain_s",
+        f("andrew_run_node_s") / f("andrew_plain_s"),
         "<=",
         1.10,
     );
@@ -218,7 +226,26 @@ fn measure_blocking(args: &FsRunArgs) -> anyhow::Result<serde_json::Value> {
         "Andrew-like script over {} files: {} runs of each kind",
         args.files, args.andrew_runs
     );
-    let (mut plain, mut run) = (Vec::new(), Vec::new());
+    // A resident node serving one volume (QuickSilver measured Andrew with
+    // its file system and transaction manager resident): each run's tree
+    // is a fresh directory inside that volume.
+    let node_vol = tmp.path().join("nodevol");
+    std::fs::create_dir_all(&node_vol)?;
+    let node = ChildNode::start(
+        "the benchmark's volume node",
+        &[
+            "node".into(),
+            "--id".into(),
+            "1".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            tmp.path().join("node2").display().to_string(),
+            "--volume".into(),
+            node_vol.display().to_string(),
+        ],
+    )?;
+    let (mut plain, mut run, mut run_node) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..args.andrew_runs {
         let p = tmp.path().join(format!("plain{i}"));
         let v = tmp.path().join(format!("vol{i}"));
@@ -239,7 +266,21 @@ fn measure_blocking(args: &FsRunArgs) -> anyhow::Result<serde_json::Value> {
             v.join("derived").is_dir() && v.join("wc.txt").is_file(),
             "weft run did not leave the script's output in the volume"
         );
+        let n = node_vol.join(format!("run{i}"));
+        make_tree(&n.join("src"), args.files)?;
+        run_node.push(timed(
+            weft_cmd()?
+                .args(["run", "--node", &node.addr, "--fs"])
+                .arg(&n)
+                .args(["--", "sh", "-c", ANDREW])
+                .current_dir(&n),
+        )?);
+        anyhow::ensure!(
+            n.join("derived").is_dir() && n.join("wc.txt").is_file(),
+            "weft run --node did not leave the script's output in the volume"
+        );
     }
+    node.terminate(Duration::from_secs(5));
     let s = |d: Duration| (d.as_secs_f64() * 1e3).round() / 1e3;
     Ok(json!({
         "null_plain_ms": null_plain_ms,
@@ -249,6 +290,7 @@ fn measure_blocking(args: &FsRunArgs) -> anyhow::Result<serde_json::Value> {
         "weft_status_ms": weft_status_ms,
         "andrew_plain_s": s(median(plain)),
         "andrew_run_s": s(median(run)),
+        "andrew_run_node_s": s(median(run_node)),
         "andrew_files": args.files,
     }))
 }

@@ -192,12 +192,26 @@ async fn run_inner(args: RunArgs) -> anyhow::Result<i32> {
             &args.fs,
         )?)
     };
+    let t = Instant::now();
     let session = connect(&args).await?;
+    tracing::info!(
+        ms = t.elapsed().as_millis() as u64,
+        "connected (the embedded node started)"
+    );
     let result = run_in(&args, &session, capture.as_ref(), &enclosing).await;
-    if let Some(c) = capture {
-        c.discard();
+    let t = Instant::now();
+    // The scratch area is the run's own: it is removed while the embedded
+    // node makes the commit durable and stops.
+    let discard = tokio::task::spawn_blocking(move || {
+        if let Some(c) = capture {
+            c.discard();
+        }
+    });
+    let (_, discarded) = tokio::join!(session.close(), discard);
+    if let Err(e) = discarded {
+        tracing::warn!("removing the scratch area: {e}");
     }
-    session.close().await;
+    tracing::info!(ms = t.elapsed().as_millis() as u64, "the node closed");
     result
 }
 

@@ -12,6 +12,7 @@
 //! (first committer wins), and waiting after the commit until the volume
 //! shows it. Must never touch a volume directory except through the store.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -27,6 +28,16 @@ pub const PARALLEL: usize = 16;
 
 /// Bytes per write request to a remote volume.
 pub const CHUNK: usize = weft_fs::REMOTE_CHUNK;
+
+/// Most files in one batch to a remote volume.
+const BATCH_FILES: usize = 128;
+
+/// Most bytes of file data in one batch to a remote volume (a larger file
+/// travels alone, in [`CHUNK`]s).
+const BATCH_BYTES: u64 = CHUNK as u64;
+
+/// Batches to a remote volume in flight at once.
+const BATCHES_IN_FLIGHT: usize = 4;
 
 /// The file store's reserved area at the root of a volume: never part of a
 /// program's changes.
@@ -349,10 +360,46 @@ pub async fn apply(
         .filter(|c| !(place.prefix.is_empty() && c.path().starts_with(RESERVED)))
         .collect();
     let check = |rel: &Path| changed_since(&dir.join(rel), started);
-    for c in changes
+    // Directories this transaction made (their mkdir found no name): nothing
+    // committed lies under them, so a file written there needs no check.
+    let mut made: HashSet<&Path> = HashSet::new();
+    let others: Vec<&Change> = changes
         .iter()
+        .copied()
         .filter(|c| !matches!(c, Change::Write { .. }))
-    {
+        .collect();
+    let mut i = 0;
+    while i < others.len() {
+        let c = others[i];
+        i += 1;
+        // To a remote volume, a run of directories made goes in one batch
+        // (a tree copied in makes dozens); should one exist already, the
+        // run is made again one by one, which tolerates that.
+        if let (Vol::Remote { .. }, Change::Mkdir(first)) = (&v, c) {
+            let mut dirs = vec![first];
+            while let Some(Change::Mkdir(p)) = others.get(i) {
+                dirs.push(p);
+                i += 1;
+            }
+            if dirs.len() > 1 {
+                let ops = dirs
+                    .iter()
+                    .map(|p| {
+                        Ok(FsOp::Mkdir {
+                            path: place.path(p)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, Failure>>()?;
+                if let Ok(FsReply::Batch(_)) = v.call(ctx, FsOp::Batch { ops }).await {
+                    made.extend(dirs.iter().map(|p| p.as_path()));
+                    continue;
+                }
+            }
+            for p in dirs {
+                mkdir(&v, ctx, &place, p, &mut made).await?;
+            }
+            continue;
+        }
         match c {
             Change::Remove(p) => {
                 v.remove(ctx, &place, p).await?;
@@ -364,19 +411,7 @@ pub async fn apply(
                     check(&p.join(&e))?;
                 }
             }
-            Change::Mkdir(p) => match v
-                .call(
-                    ctx,
-                    FsOp::Mkdir {
-                        path: place.path(p)?,
-                    },
-                )
-                .await
-            {
-                Ok(_) => {}
-                Err(f) if f.detail.contains("already exists") => {}
-                Err(f) => return Err(f),
-            },
+            Change::Mkdir(p) => mkdir(&v, ctx, &place, p, &mut made).await?,
             Change::Symlink { path, target } => {
                 let target = target.to_str().ok_or_else(|| {
                     Failure::new(
@@ -397,20 +432,98 @@ pub async fn apply(
             Change::Write { .. } => {}
         }
     }
-    let writes = changes.iter().filter_map(|c| match c {
-        Change::Write { path, from, .. } => Some((path, from)),
-        _ => None,
-    });
-    let (v, place) = (&v, &place);
-    let mut pending = futures::stream::iter(writes.map(|(path, from)| async move {
-        v.put_file(ctx, place.path(path)?, from).await?;
+    let (v, place, made) = (&v, &place, &made);
+    let check_new = |path: &Path| {
+        if path.ancestors().skip(1).any(|a| made.contains(a)) {
+            return Ok(());
+        }
         check(path)
+    };
+    let check_new = &check_new;
+    let mut writes: Vec<(&PathBuf, &PathBuf)> = Vec::new();
+    // To a remote volume, small files travel many to a request (`Put`s in
+    // a `Batch`): one round trip for dozens of files instead of two each.
+    let mut batches: Vec<Vec<(&PathBuf, &PathBuf)>> = Vec::new();
+    let mut batch_bytes = 0u64;
+    for c in &changes {
+        let Change::Write { path, from, len } = c else {
+            continue;
+        };
+        if matches!(v, Vol::Local(_)) || *len > BATCH_BYTES {
+            writes.push((path, from));
+            continue;
+        }
+        match batches.last_mut() {
+            Some(b) if b.len() < BATCH_FILES && batch_bytes + len <= BATCH_BYTES => {
+                b.push((path, from));
+                batch_bytes += len;
+            }
+            _ => {
+                batches.push(vec![(path, from)]);
+                batch_bytes = *len;
+            }
+        }
+    }
+    let mut pending = futures::stream::iter(batches.into_iter().map(|batch| async move {
+        let mut ops = Vec::with_capacity(batch.len());
+        for (path, from) in &batch {
+            let data = std::fs::read(from).map_err(|e| {
+                Failure::new(Status::Internal, format!("reading {}: {e}", from.display()))
+            })?;
+            ops.push(FsOp::Put {
+                path: place.path(path)?,
+                data: data.into(),
+            });
+        }
+        match v.call(ctx, FsOp::Batch { ops }).await? {
+            FsReply::Batch(_) => {}
+            r => return Err(unexpected(r)),
+        }
+        for (path, _) in &batch {
+            check_new(path)?;
+        }
+        Ok(())
+    }))
+    .buffer_unordered(BATCHES_IN_FLIGHT);
+    while let Some(r) = pending.next().await {
+        r?;
+    }
+    let mut pending = futures::stream::iter(writes.into_iter().map(|(path, from)| async move {
+        v.put_file(ctx, place.path(path)?, from).await?;
+        check_new(path)
     }))
     .buffer_unordered(PARALLEL);
     while let Some(r) = pending.next().await {
         r?;
     }
     Ok(())
+}
+
+/// Makes the directory `p` (one that exists already is fine), noting it in
+/// `made` when this transaction made it.
+async fn mkdir<'p>(
+    v: &Vol<'_>,
+    ctx: &TxContext,
+    place: &Place,
+    p: &'p Path,
+    made: &mut HashSet<&'p Path>,
+) -> Result<(), Failure> {
+    match v
+        .call(
+            ctx,
+            FsOp::Mkdir {
+                path: place.path(p)?,
+            },
+        )
+        .await
+    {
+        Ok(_) => {
+            made.insert(p);
+            Ok(())
+        }
+        Err(f) if f.detail.contains("already exists") => Ok(()),
+        Err(f) => Err(f),
+    }
 }
 
 /// LockConflict when `path` (in the volume's directory) changed at or after
