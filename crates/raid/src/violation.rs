@@ -254,7 +254,15 @@ impl Violations {
             notified.as_mut().enable();
             {
                 let mut st = self.state.lock();
-                if let Some(reason) = st.doomed.remove(&tid) {
+                if let Some(reason) = st.doomed.get(&tid).cloned() {
+                    // A doomed prepared writer stays marked until its abort
+                    // is applied here ([`Violations::decided`]): its items
+                    // are still in violation mode meanwhile, and whoever
+                    // locks one must wait for that abort, not use its value
+                    // and be doomed in turn.
+                    if !st.released.contains_key(&tid) {
+                        st.doomed.remove(&tid);
+                    }
                     st.waiting.remove(&tid);
                     drop_deps(&mut st, tid);
                     return Err(reason);
@@ -435,6 +443,27 @@ mod tests {
         v.decided(tid(3), false);
         assert!(v.is_idle());
         assert_eq!(v.stats(), (2, 2));
+    }
+
+    #[tokio::test]
+    async fn a_doomed_writer_lends_nothing_after_its_vote_until_its_abort() {
+        let v = Violations::new();
+        v.prepared(tid(1), vec![branch()]);
+        v.accessed(tid(2), branch()).unwrap();
+        v.prepared(tid(2), vec![branch()]);
+        v.decided(tid(1), false);
+        // T2's vote leaves as No; its abort has not reached this site yet.
+        assert!(v.barrier(tid(2)).await.is_err());
+        assert_eq!(
+            v.accessed(tid(3), branch()),
+            Err(tid(2)),
+            "T3 must wait for T2's abort, not use its write"
+        );
+        v.decided(tid(2), false);
+        v.accessed(tid(3), branch()).unwrap();
+        assert_eq!(v.barrier(tid(3)).await, Ok(()));
+        v.decided(tid(3), true);
+        assert!(v.is_idle());
     }
 
     #[tokio::test]
