@@ -227,12 +227,12 @@ impl<'a> Cursor<'a> {
         Ok(None)
     }
 
-    /// Reads the next unit into `slot`, in place when the slot already
-    /// holds the same fixed-size variant (no value built, none dropped).
+    /// Reads the value of a unit tagged `tag` into `slot` in place when the
+    /// slot holds that same fixed-size variant (no value built, none
+    /// dropped); false, reading nothing, otherwise.
     #[inline]
-    fn unit_into(&mut self, slot: &mut Unit) -> Result<(), StateError> {
-        let tag = self.u32()?;
-        match (tag, &mut *slot) {
+    fn fixed_into(&mut self, tag: u32, slot: &mut Unit) -> Result<bool, StateError> {
+        match (tag, slot) {
             (0, Unit::Bool(x)) => *x = self.bool()?,
             (1, Unit::I8(x)) => *x = self.byte()? as i8,
             (2, Unit::I16(x)) => *x = unzigzag16(self.u16()?),
@@ -244,7 +244,18 @@ impl<'a> Cursor<'a> {
             (8, Unit::U64(x)) => *x = self.u64()?,
             (9, Unit::F32(x)) => *x = f32::from_le_bytes(self.bytes()?),
             (10, Unit::F64(x)) => *x = f64::from_le_bytes(self.bytes()?),
-            _ => *slot = self.unit_body(tag)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Reads the next unit into `slot`, in place when the slot already
+    /// holds the same fixed-size variant (no value built, none dropped).
+    #[inline]
+    fn unit_into(&mut self, slot: &mut Unit) -> Result<(), StateError> {
+        let tag = self.u32()?;
+        if !self.fixed_into(tag, slot)? {
+            *slot = self.unit_body(tag)?;
         }
         Ok(())
     }
@@ -262,30 +273,21 @@ impl<'a> Cursor<'a> {
     ) -> Result<(), StateError> {
         let tag = self.u32()?;
         let old = bits_of(slot);
-        match (tag, &mut *slot) {
-            (0, Unit::Bool(x)) => *x = self.bool()?,
-            (1, Unit::I8(x)) => *x = self.byte()? as i8,
-            (2, Unit::I16(x)) => *x = unzigzag16(self.u16()?),
-            (3, Unit::I32(x)) => *x = unzigzag32(self.u32()?),
-            (4, Unit::I64(x)) => *x = unzigzag64(self.u64()?),
-            (5, Unit::U8(x)) => *x = self.byte()?,
-            (6, Unit::U16(x)) => *x = self.u16()?,
-            (7, Unit::U32(x)) => *x = self.u32()?,
-            (8, Unit::U64(x)) => *x = self.u64()?,
-            (9, Unit::F32(x)) => *x = f32::from_le_bytes(self.bytes()?),
-            (10, Unit::F64(x)) => *x = f64::from_le_bytes(self.bytes()?),
-            (_, Unit::Str(_) | Unit::Mip(_) | Unit::Null) => {
+        if self.fixed_into(tag, slot)? {
+            // Written in place: the slot keeps its fixed-size variant.
+            undo.bits.push(old.unwrap_or(0));
+            return Ok(());
+        }
+        match slot {
+            Unit::Str(_) | Unit::Mip(_) | Unit::Null => {
                 let u = self.unit_body(tag)?;
                 u.check(slot.kind(), lim)?;
                 undo.bits.push(0);
                 undo.whole.push(std::mem::replace(slot, u));
-                return Ok(());
+                Ok(())
             }
-            _ => return Err(bad("a unit of another kind")),
+            _ => Err(bad("a unit of another kind")),
         }
-        // Every arm above that wrote keeps the slot's fixed-size variant.
-        undo.bits.push(old.unwrap_or(0));
-        Ok(())
     }
 }
 
