@@ -149,8 +149,9 @@ pub struct DiskOptions {
     /// keys is most of them whatever the merge's size, so fewer, larger
     /// merges cost less per entry; a read checks one cache line of each
     /// unmerged delta's filter (16 by default: at scale 100, 8 deltas
-    /// were ~1.1 million entries touching ~83% of the leaves, 16 are ~2
-    /// million touching ~97%, about 1.6× less merge work per entry).
+    /// were ~1.1 million entries touching an estimated ~85% of the
+    /// leaves, 16 are ~2 million touching ~97%, about 1.6× less merge
+    /// work per entry by that estimate).
     pub merge_deltas: usize,
     /// Entries over the delta tables past which a merge is asked for.
     pub merge_entries: usize,
