@@ -328,14 +328,9 @@ impl Volume {
                     });
                 }
                 Ok(m) if m.is_dir() => {}
-                // A file (or other) on the way: nothing below it exists.
-                Ok(_) => {
-                    parent_on_disk = false;
-                    at = self.inner.root.join(p.as_str());
-                    break;
-                }
-                // Missing (or not a directory): nothing below it exists.
-                Err(_) => {
+                // Missing, or a file (or other) on the way: nothing below
+                // it exists.
+                _ => {
                     parent_on_disk = false;
                     at = self.inner.root.join(p.as_str());
                     break;
