@@ -131,6 +131,26 @@ fn timed(cmd: &mut Command) -> anyhow::Result<Duration> {
     Ok(took)
 }
 
+/// Times the Andrew-like script in `dir` under `weft run [extra] --fs dir`
+/// and checks that its output is in the volume.
+fn andrew_under_weft(extra: &[&str], dir: &Path) -> anyhow::Result<Duration> {
+    let took = timed(
+        weft_cmd()?
+            .arg("run")
+            .args(extra)
+            .arg("--fs")
+            .arg(dir)
+            .args(["--", "sh", "-c", ANDREW])
+            .current_dir(dir),
+    )?;
+    anyhow::ensure!(
+        dir.join("derived").is_dir() && dir.join("wc.txt").is_file(),
+        "weft run {} did not leave the script's output in the volume",
+        extra.join(" ")
+    );
+    Ok(took)
+}
+
 /// A `weft` command with no weft environment inherited.
 fn weft_cmd() -> anyhow::Result<Command> {
     let mut c = Command::new(weft_exe()?);
@@ -254,31 +274,10 @@ fn measure_blocking(args: &FsRunArgs) -> anyhow::Result<serde_json::Value> {
         plain.push(timed(
             Command::new("sh").args(["-c", ANDREW]).current_dir(&p),
         )?);
-        run.push(timed(
-            weft_cmd()?
-                .arg("run")
-                .arg("--fs")
-                .arg(&v)
-                .args(["--", "sh", "-c", ANDREW])
-                .current_dir(&v),
-        )?);
-        anyhow::ensure!(
-            v.join("derived").is_dir() && v.join("wc.txt").is_file(),
-            "weft run did not leave the script's output in the volume"
-        );
+        run.push(andrew_under_weft(&[], &v)?);
         let n = node_vol.join(format!("run{i}"));
         make_tree(&n.join("src"), args.files)?;
-        run_node.push(timed(
-            weft_cmd()?
-                .args(["run", "--node", &node.addr, "--fs"])
-                .arg(&n)
-                .args(["--", "sh", "-c", ANDREW])
-                .current_dir(&n),
-        )?);
-        anyhow::ensure!(
-            n.join("derived").is_dir() && n.join("wc.txt").is_file(),
-            "weft run --node did not leave the script's output in the volume"
-        );
+        run_node.push(andrew_under_weft(&["--node", &node.addr], &n)?);
     }
     node.terminate(Duration::from_secs(5));
     let s = |d: Duration| (d.as_secs_f64() * 1e3).round() / 1e3;
